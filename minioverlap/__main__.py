@@ -1,0 +1,3 @@
+from minioverlap.cli import main
+
+main()

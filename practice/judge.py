@@ -1,0 +1,556 @@
+"""The exercise judge: stubs from the reference, tests, hints and progress (rustlings + nbgrader).
+
+An exercise is a solution region in the source, between `# >>> exercise NN.K: title` and
+`# <<< exercise NN.K` (tools/README.md has the marker grammar), listed in practice/exercises.toml
+with the tests that must pass and the hints to give:
+
+    python practice/judge.py list              # every exercise, in order, with your progress
+    python practice/judge.py start 01.1        # chapter 01's tree, stubbed, in practice/workspace/01.1/
+    python practice/judge.py test 01.1         # run its tests there: what failed, then a hint
+    python practice/judge.py hint 01.1 [--all]
+    python practice/judge.py check             # the author's (CI): stubs fail, references pass
+
+Stages are built by tools/steps.py; `--root DIR` points every command at another book (the tools'
+own tests use a small fixture book). Progress lives in ROOT/practice/workspace/progress.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import steps  # noqa: E402  (tools/ is not a package)
+
+console = Console(soft_wrap=True, highlight=False)
+ID_PATTERN = re.compile(r"\d{2}\.\d+")
+SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?: - (.*))?$")
+EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt|Warning)\b")
+FILE_LINE = re.compile(r'^File "(.+)", line (\d+)')
+SECTION_HEAD = re.compile(r"^_{3,} (?:ERROR (?:collecting|at \w+ of) )?(.+?) _{3,}$")
+
+
+class JudgeError(Exception):
+    """A usage error: an unknown exercise, a workspace that is missing or already there."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str            # "NN.K": the K-th exercise of chapter NN
+    title: str
+    tests: list[str]   # pytest node ids, relative to the stage root
+    hints: list[str]
+
+    @property
+    def chapter(self) -> int:
+        return int(self.id.split(".")[0])
+
+    @property
+    def order(self) -> tuple[int, int]:
+        major, minor = self.id.split(".")
+        return int(major), int(minor)
+
+
+@dataclass(frozen=True)
+class Failure:
+    node: str      # a pytest node id, or a file for a collection error
+    message: str   # the assertion or exception line
+
+
+# ---------------------------------------------------------------- the registry and progress
+
+
+def load_exercises(root: Path) -> list[Exercise]:
+    """The exercises of ROOT/practice/exercises.toml, in order (chapter, then K)."""
+    path = root / "practice" / "exercises.toml"
+    if not path.is_file():
+        raise JudgeError(f"no exercise registry: {path} does not exist")
+    entries = tomllib.loads(path.read_text()).get("exercise", [])
+    exercises = [_exercise(entry, path) for entry in entries]
+    seen: set[str] = set()
+    for ex in exercises:
+        if ex.id in seen:
+            raise JudgeError(f"{path}: exercise '{ex.id}' is listed twice")
+        seen.add(ex.id)
+    return sorted(exercises, key=lambda ex: ex.order)
+
+
+def _exercise(entry: dict, path: Path) -> Exercise:
+    ex_id = entry.get("id")
+    if not isinstance(ex_id, str) or not ID_PATTERN.fullmatch(ex_id):
+        raise JudgeError(f"{path}: exercise id {ex_id!r} is not of the form 'NN.K' (e.g. '01.2')")
+    for key in ("tests", "hints"):
+        value = entry.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise JudgeError(f"{path}: exercise '{ex_id}': {key} must be a list of strings")
+    return Exercise(ex_id, str(entry.get("title", "")), list(entry.get("tests", [])),
+                    list(entry.get("hints", [])))
+
+
+def find_exercise(exercises: list[Exercise], ex_id: str) -> Exercise:
+    """The exercise `ex_id` ("2.1" reads as "02.1"), or an error naming the known ones."""
+    chapter, dot, k = ex_id.partition(".")
+    wanted = f"{int(chapter):02d}.{k}" if chapter.isdigit() and dot else ex_id
+    for ex in exercises:
+        if ex.id == wanted:
+            return ex
+    known = ", ".join(ex.id for ex in exercises) or "none"
+    raise JudgeError(f"unknown exercise '{ex_id}': known are {known}")
+
+
+def workspace(root: Path) -> Path:
+    return root / "practice" / "workspace"
+
+
+def load_progress(root: Path) -> dict[str, dict]:
+    """{id: {"status": "started" | "passed", "hints_shown": n}}; empty before the first start."""
+    path = workspace(root) / "progress.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_progress(root: Path, progress: dict[str, dict]) -> None:
+    ws = workspace(root)
+    ws.mkdir(parents=True, exist_ok=True)
+    ignore = ws / ".gitignore"  # the learner's work stays out of the book's history
+    if not ignore.exists():
+        ignore.write_text("*\n")
+    (ws / "progress.json").write_text(json.dumps(progress, indent=2, sort_keys=True) + "\n")
+
+
+def status(root: Path, progress: dict[str, dict], ex: Exercise) -> str:
+    stored = progress.get(ex.id, {}).get("status")
+    if stored == "passed":
+        return "passed"
+    return "started" if stored or (workspace(root) / ex.id).is_dir() else "not started"
+
+
+# ---------------------------------------------------------------- pytest output
+
+
+def run_tests(stage: Path, targets: list[str]) -> tuple[int, str]:
+    """Run the targets in the stage; (exit code, stdout + stderr)."""
+    result = steps.run_pytest(stage, targets, quiet=True)
+    return result.returncode, (result.stdout or "") + (result.stderr or "")
+
+
+def parse_failures(output: str) -> list[Failure]:
+    """Failed and errored tests from pytest's short summary, each with its exception line."""
+    details = _exception_lines(output)
+    failures = []
+    for line in output.splitlines():
+        match = SUMMARY_LINE.match(line.strip())
+        if match and ("::" in match[2] or match[2].endswith(".py")):
+            node, summary = match[2], match[3] or ""
+            failures.append(Failure(node, details.get(_head_of(node), summary)))
+    return failures
+
+
+def _exception_lines(output: str) -> dict[str, str]:
+    """{section head: its exception line} from pytest's tracebacks (the summary's is trimmed)."""
+    sections: dict[str, list[str]] = {}
+    head = None
+    for line in output.splitlines():
+        if (match := SECTION_HEAD.match(line)):
+            head = match[1]
+            sections.setdefault(head, [])
+        elif head and line.startswith("E "):
+            sections[head].append(line[1:].strip())
+    return {head: _exception_line(lines) for head, lines in sections.items() if lines}
+
+
+def _exception_line(lines: list[str]) -> str:
+    """`AssertionError: assert 1 == 2`, with the file and line for a SyntaxError and the like."""
+    found = next((line for line in lines if EXCEPTION_LINE.match(line)), lines[0])
+    where = next((m for line in lines if (m := FILE_LINE.match(line))), None)
+    return f"{found} ({where[1]}:{where[2]})" if where and found != where[0] else found
+
+
+def _head_of(node: str) -> str:
+    """The section head pytest prints for a node: `test_x`, `Class.test_x`, or the file."""
+    path, _, rest = node.partition("::")
+    return rest.replace("::", ".") if rest else path
+
+
+def covers(node: str, target: str) -> bool:
+    """Whether a reported node (a test, or a file that failed to collect) belongs to a target."""
+    return node == target or node.startswith(target + "::") or target.startswith(node + "::")
+
+
+def stub_line(stage: Path, rel: str, ex_id: str) -> int | None:
+    """The line of the stub's raise in the stage's file, or None once the learner replaced it."""
+    path = stage / rel
+    if not path.is_file():
+        return None
+    needle = f'NotImplementedError("exercise {ex_id}:'
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if needle in line:
+            return number
+    return None
+
+
+# ---------------------------------------------------------------- list, start, test, hint
+
+
+def cmd_list(root: Path) -> int:
+    exercises = load_exercises(root)
+    progress = load_progress(root)
+    files = marker_files(root)
+    table = Table(title="Exercises", title_justify="left")
+    for column in ("id", "title", "chapter", "file to edit", "progress"):
+        table.add_column(column)
+    colours = {"passed": "green", "started": "yellow", "not started": "dim"}
+    for ex in exercises:
+        state = status(root, progress, ex)
+        table.add_row(ex.id, escape(ex.title), f"{ex.chapter:02d}", escape(files.get(ex.id, "?")),
+                      f"[{colours[state]}]{state}[/]")
+    console.print(table)
+    passed = sum(status(root, progress, ex) == "passed" for ex in exercises)
+    done = round(30 * passed / max(len(exercises), 1))
+    console.print(f"[green]{'█' * done}[/][dim]{'░' * (30 - done)}[/] {passed}/{len(exercises)} passed")
+    return 0
+
+
+def marker_files(root: Path) -> dict[str, str]:
+    """{exercise id: the source file it lives in}; empty when the markers do not parse."""
+    try:
+        return {ex_id: str(marker.path) for ex_id, marker in steps.find_exercises(root).items()}
+    except steps.MarkerError:
+        return {}
+
+
+def cmd_start(root: Path, ex_id: str, force: bool) -> int:
+    ex = find_exercise(load_exercises(root), ex_id)
+    marker = steps.find_exercises(root).get(ex.id)
+    if marker is None:
+        raise JudgeError(f"exercise '{ex.id}' has no `# >>> exercise {ex.id}` marker in the source")
+    dest = workspace(root) / ex.id
+    if dest.exists() and not force:
+        raise JudgeError(f"{_rel(dest, root)} already exists and holds your work on exercise {ex.id}; "
+                         f"`start {ex.id} --force` replaces it with a fresh stub")
+    stage = steps.build_stage(root, ex.chapter, dest, stub=ex.id)
+    progress = load_progress(root)
+    progress.setdefault(ex.id, {})["status"] = "started"
+    save_progress(root, progress)
+    console.print(f"[bold]exercise {ex.id}[/]: {escape(ex.title)} (chapter {ex.chapter:02d})")
+    console.print(f"edit  {escape(_location(stage, str(marker.path), ex.id, root))}")
+    console.print(f"test  {escape(_command(root, 'test', ex.id))}   (runs {escape(', '.join(ex.tests))})")
+    console.print(f"hint  {escape(_command(root, 'hint', ex.id))}")
+    return 0
+
+
+def cmd_test(root: Path, ex_id: str, whole_stage: bool = False) -> int:
+    exercises = load_exercises(root)
+    ex = find_exercise(exercises, ex_id)
+    stage = workspace(root) / ex.id
+    if not stage.is_dir():
+        raise JudgeError(f"exercise {ex.id} is not started: run `{_command(root, 'start', ex.id)}` first")
+    targets = ["tests", *(t for t in ex.tests if not t.startswith("tests/"))] if whole_stage else ex.tests
+    code, output = run_tests(stage, targets)
+    progress = load_progress(root)
+    if code == 0:
+        progress.setdefault(ex.id, {})["status"] = "passed"
+        save_progress(root, progress)
+        _congratulate(root, exercises, ex, progress)
+        return 0
+    if f"NotImplementedError: exercise {ex.id}:" in output:
+        marker = steps.find_exercises(root).get(ex.id)
+        where = _location(stage, str(marker.path), ex.id, root) if marker else _rel(stage, root)
+        console.print(f"[yellow]exercise {ex.id} is not implemented yet: edit {escape(where)}[/]")
+        console.print(f"a hint: `{escape(_command(root, 'hint', ex.id))}`")
+        return 1
+    _report_failures(ex, code, output)
+    _show_next_hint(root, ex, progress)
+    return 1
+
+
+def _report_failures(ex: Exercise, code: int, output: str) -> None:
+    failures = parse_failures(output)
+    if not failures:  # a usage error, no test collected, a crash: show what pytest said
+        console.print(f"[red]exercise {ex.id}: pytest exited with {code}:[/]")
+        console.print(escape("\n".join(output.strip().splitlines()[-15:])), markup=True)
+        return
+    console.print(f"[red]exercise {ex.id}: {_plural(len(failures), 'test')} failed[/]")
+    for failure in failures:
+        console.print(f"  [red]✘[/] {escape(failure.node)}")
+        if failure.message:
+            console.print(f"      {escape(failure.message)}")
+
+
+def _congratulate(root: Path, exercises: list[Exercise], ex: Exercise, progress: dict) -> None:
+    console.print(f"[green]✔ exercise {ex.id} passed[/]: {escape(ex.title)} "
+                  f"({_plural(len(ex.tests), 'test target')} pass)")
+    later = [e for e in exercises if e.order > ex.order] + [e for e in exercises if e.order < ex.order]
+    todo = [e for e in later if status(root, progress, e) != "passed"]
+    if todo:
+        verb = "start" if status(root, progress, todo[0]) == "not started" else "test"
+        console.print(f"next: {todo[0].id} {escape(todo[0].title)}: "
+                      f"`{escape(_command(root, verb, todo[0].id))}`")
+    else:
+        console.print(f"that was the last one: all {len(exercises)} exercises passed")
+
+
+def cmd_hint(root: Path, ex_id: str, show_all: bool) -> int:
+    ex = find_exercise(load_exercises(root), ex_id)
+    if not ex.hints:
+        console.print(f"exercise {ex.id} has no hints")
+        return 0
+    if show_all:
+        for number, hint in enumerate(ex.hints, 1):
+            _print_hint(ex, number, hint)
+        return 0
+    _show_next_hint(root, ex, load_progress(root))
+    return 0
+
+
+def _show_next_hint(root: Path, ex: Exercise, progress: dict[str, dict]) -> None:
+    if not ex.hints:
+        return
+    entry = progress.setdefault(ex.id, {})
+    shown = entry.get("hints_shown", 0)
+    if shown >= len(ex.hints):
+        console.print(f"no more hints: all {len(ex.hints)} were shown "
+                      f"(`{escape(_command(root, 'hint', ex.id))} --all` lists them); the last was:")
+        _print_hint(ex, len(ex.hints), ex.hints[-1])
+        return
+    entry["hints_shown"] = shown + 1
+    save_progress(root, progress)
+    _print_hint(ex, shown + 1, ex.hints[shown])
+
+
+def _print_hint(ex: Exercise, number: int, hint: str) -> None:
+    console.print(f"[cyan]hint {number}/{len(ex.hints)}[/] for {ex.id}: {escape(hint)}")
+
+
+def _location(stage: Path, rel: str, ex_id: str, root: Path) -> str:
+    line = stub_line(stage, rel, ex_id)
+    where = _rel(stage / rel, root)
+    return f"{where}:{line}" if line else where
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _command(root: Path, *words: str) -> str:
+    base = "python practice/judge.py"
+    if root.resolve() != REPO:
+        base += f" --root {root}"
+    return " ".join([base, *words])
+
+
+# ---------------------------------------------------------------- check (the author's)
+
+
+@dataclass
+class Verdict:
+    """One exercise's result in `check`: what is wrong with it (nothing, once proved)."""
+    ex: Exercise
+    problems: list[str]
+
+
+def cmd_check(root: Path, jobs: int) -> int:
+    """Structure first (registry against markers), then nbgrader's check both ways: every stub
+    fails every test of its exercise, every reference passes them all."""
+    exercises = load_exercises(root)
+    verdicts = {ex.id: Verdict(ex, []) for ex in exercises}
+    general = check_structure(root, exercises, verdicts)
+    with tempfile.TemporaryDirectory(prefix="judge-check-") as tmp:
+        todo = [v for v in verdicts.values() if not v.problems]
+        references = build_references(root, todo, Path(tmp))
+        check_test_files(todo, references)
+        todo = [v for v in todo if not v.problems]
+        stubs = build_stubs(root, todo, Path(tmp))
+        chapters = sorted({v.ex.chapter for v in todo})
+        with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:  # the pytest runs, side by side
+            stub_runs = {ex_id: pool.submit(prove_stub, verdicts[ex_id].ex, stub)
+                         for ex_id, stub in stubs.items()}
+            ref_runs = [pool.submit(prove_references, [v.ex for v in todo if v.ex.chapter == chapter],
+                                    references[chapter]) for chapter in chapters]
+            for ex_id, run in stub_runs.items():
+                verdicts[ex_id].problems += run.result()
+            for run in ref_runs:
+                for ex_id, problems in run.result().items():
+                    verdicts[ex_id].problems += problems
+    return report(list(verdicts.values()), general)
+
+
+def check_structure(root: Path, exercises: list[Exercise], verdicts: dict[str, Verdict]) -> list[str]:
+    """Registry against markers and chapters; returns the problems that belong to no registry entry."""
+    try:
+        markers = steps.find_exercises(root)
+        chapters = {chapter.number for chapter in steps.load_registry(root).chapters}
+    except steps.MarkerError as error:
+        for verdict in verdicts.values():
+            verdict.problems.append("not checked: the source's markers have errors")
+        return [f"markers: {error}"]
+    for ex in exercises:
+        marker, problems = markers.get(ex.id), verdicts[ex.id].problems
+        if marker is None:
+            problems.append(f"no `# >>> exercise {ex.id}: ...` marker in the source")
+        elif marker.title != ex.title:
+            problems.append(f"the marker at {marker.path}:{marker.line} says '{marker.title}', "
+                            f"the registry '{ex.title}'")
+        if ex.chapter not in chapters:
+            problems.append(f"chapter {ex.chapter:02d} is not in chapters/chapters.toml")
+        if not ex.tests:
+            problems.append("lists no tests")
+        if not ex.hints:
+            problems.append("has no hints")
+    return [f"marker `# >>> exercise {m.id}` at {m.path}:{m.line} has no entry in practice/exercises.toml"
+            for m in markers.values() if m.id not in verdicts]
+
+
+def build_references(root: Path, verdicts: list[Verdict], tmp: Path) -> dict[int, Path]:
+    """Each chapter's reference stage, built once for all its exercises."""
+    stages: dict[int, Path] = {}
+    for chapter in sorted({v.ex.chapter for v in verdicts}):
+        try:
+            stages[chapter] = steps.build_stage(root, chapter, tmp / f"ch{chapter:02d}")
+        except steps.MarkerError as error:
+            for verdict in verdicts:
+                if verdict.ex.chapter == chapter:
+                    verdict.problems.append(f"stage {chapter:02d} does not build: {error}")
+    return stages
+
+
+def check_test_files(verdicts: list[Verdict], references: dict[int, Path]) -> None:
+    """Every listed test file is in the exercise's stage."""
+    for verdict in verdicts:
+        stage = references.get(verdict.ex.chapter)
+        for test in verdict.ex.tests if stage else []:
+            path = test.split("::")[0]
+            if not (stage / path).is_file():
+                verdict.problems.append(f"test file {path} is not in stage {verdict.ex.chapter:02d}")
+
+
+def build_stubs(root: Path, verdicts: list[Verdict], tmp: Path) -> dict[str, Path]:
+    stubs: dict[str, Path] = {}
+    for verdict in verdicts:
+        ex = verdict.ex
+        try:
+            stubs[ex.id] = steps.build_stage(root, ex.chapter, tmp / f"stub-{ex.id}", stub=ex.id)
+        except steps.MarkerError as error:
+            verdict.problems.append(f"the stub does not build: {error}")
+    return stubs
+
+
+def prove_stub(ex: Exercise, stub: Path) -> list[str]:
+    """Every test must fail on the stub: one that passes cannot catch a missing solution."""
+    code, output = run_tests(stub, [*ex.tests, "-rA"])  # -rA: PASSED lines in the summary too
+    if code not in (0, 1, 2):
+        return [f"pytest could not run the tests on the stub (exit {code}): {_last_line(output)}"]
+    failures = parse_failures(output)
+    passed = [line.split()[1] for line in output.splitlines() if line.startswith("PASSED ")]
+    problems = []
+    for test in ex.tests:
+        passes = [node for node in passed if covers(node, test)]
+        problems += [f"the stub passes {node}: it cannot catch a missing solution" for node in passes]
+        if not passes and not any(covers(failure.node, test) for failure in failures):
+            problems.append(f"{test} does not fail on the stub (skipped?)")
+    return problems
+
+
+def prove_references(exercises: list[Exercise], reference: Path) -> dict[str, list[str]]:
+    """All tests pass on the reference: one run for the chapter, one per exercise only if it fails."""
+    tests = list(dict.fromkeys(test for ex in exercises for test in ex.tests))
+    if run_tests(reference, tests)[0] == 0:
+        return {}
+    problems: dict[str, list[str]] = {}
+    for ex in exercises:
+        code, output = run_tests(reference, ex.tests)
+        if code != 0:
+            failed = [f"{f.node} ({f.message})" if f.message else f.node for f in parse_failures(output)]
+            what = "; ".join(failed) or f"pytest exited {code}: {_last_line(output)}"
+            problems[ex.id] = [f"the reference fails: {what}"]
+    return problems
+
+
+def _last_line(output: str) -> str:
+    lines = output.strip().splitlines()
+    return lines[-1] if lines else "(no output)"
+
+
+def report(verdicts: list[Verdict], general: list[str]) -> int:
+    """One line per exercise (and per problem of no exercise), then `N passed, N failed`."""
+    for problem in general:
+        console.print(f"[red]✘[/] {escape(problem)}")
+    for verdict in verdicts:
+        ex = verdict.ex
+        head = f"{ex.id} {escape(ex.title)}"
+        if verdict.problems:
+            console.print(f"[red]✘ {head}[/]: {escape('; '.join(verdict.problems))}")
+        else:
+            console.print(f"[green]✔ {head}[/]: the stub fails and the reference passes "
+                          f"{_plural(len(ex.tests), 'test target')}")
+    failed = sum(bool(v.problems) for v in verdicts) + len(general)
+    print(f"{len(verdicts) + len(general) - failed} passed, {failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
+                        help="the book's root (default: the repository holding this file)")
+    main = argparse.ArgumentParser(prog="judge.py", description=__doc__.split("\n")[0],
+                                   parents=[common])
+    commands = main.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", parents=[common], help="every exercise and your progress")
+    start = commands.add_parser("start", parents=[common], help="lay the stub in practice/workspace/ID/")
+    start.add_argument("id")
+    start.add_argument("--force", action="store_true", help="replace an existing workspace (your work!)")
+    test = commands.add_parser("test", parents=[common], help="run the exercise's tests in its workspace")
+    test.add_argument("id")
+    test.add_argument("--chapter", action="store_true", dest="whole_stage",
+                      help="also every other test of the chapter's stage")
+    hint = commands.add_parser("hint", parents=[common], help="the next hint")
+    hint.add_argument("id")
+    hint.add_argument("--all", action="store_true", dest="show_all", help="every hint")
+    check = commands.add_parser("check", parents=[common],
+                                help="the author's check: stubs fail, references pass")
+    check.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="pytest runs at once")
+    return main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    root = Path(getattr(args, "root", REPO)).resolve()
+    try:
+        if args.command == "list":
+            return cmd_list(root)
+        if args.command == "start":
+            return cmd_start(root, args.id, args.force)
+        if args.command == "test":
+            return cmd_test(root, args.id, args.whole_stage)
+        if args.command == "hint":
+            return cmd_hint(root, args.id, args.show_all)
+        return cmd_check(root, args.jobs)
+    except (JudgeError, steps.MarkerError, OSError) as error:
+        Console(stderr=True, soft_wrap=True, highlight=False).print(f"[red]error:[/] {escape(str(error))}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

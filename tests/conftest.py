@@ -1,0 +1,59 @@
+"""Reference helpers shared by the chapters' tests: the tiny checkpoint, random checkpoints written
+by transformers itself, and transformers' own greedy generation to compare against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = Path(__file__).resolve().parent.parent / "minioverlap" / "checkpoints" / "tiny"
+CODE_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n",
+                "    for i in range(10):", "x = [1, 2, 3]\nprint("]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    return TINY
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int, eos: tuple[int, ...] = ()) -> list[int]:
+    """transformers' Qwen3ForCausalLM.generate, greedy, fp32 on CPU: the reference every chapter matches."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(str(model_dir))
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=list(eos) or None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    if path not in _HF_CACHE:
+        logging.set_verbosity_error()   # the tiny checkpoint's MTP tensors are reported as unused
+        _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_CACHE[path]
+
+
+def random_checkpoint(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shard_size: str | None = None,
+                      **shape) -> Path:
+    """A randomly initialised Qwen3 written by transformers' save_pretrained (its real tensor names).
+
+    A large initializer_range makes the logits peaked, so greedy choices do not hinge on rounding.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    defaults = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                    initializer_range=0.5, tie_word_embeddings=False, eos_token_id=None)
+    model = Qwen3ForCausalLM(Qwen3Config(**(defaults | shape))).to(dtype)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path

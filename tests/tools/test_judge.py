@@ -1,0 +1,215 @@
+"""Tests of practice/judge.py, the exercise judge, on copies of the fixture book (tests/tools/fixtures/book).
+
+The fixture's one exercise is 02.1, `shout` in minibook/words.py (reference: `text.upper() + "!"`),
+tested by tests/test_ch02_shout.py, with two hints. Each test works on its own copy (`book_copy`)
+and calls the judge's `main` in-process; only the pytest runs it starts are subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JUDGE = Path(__file__).resolve().parents[2] / "practice" / "judge.py"
+_spec = importlib.util.spec_from_file_location("judge", JUDGE)
+judge = importlib.util.module_from_spec(_spec)
+sys.modules["judge"] = judge  # dataclasses look their module up there
+_spec.loader.exec_module(judge)
+
+WORKFILE = "practice/workspace/02.1/minibook/words.py"
+STUB = 'raise NotImplementedError("exercise 02.1: shout a text")'
+TEST_NODE = "tests/test_ch02_shout.py::test_shout_uppercases_and_adds_a_bang"
+
+
+def run(capsys: pytest.CaptureFixture[str], book: Path, *args: str) -> tuple[int, str, str]:
+    """The judge's exit code, stdout and stderr for `judge.py --root BOOK ARGS`."""
+    code = judge.main(["--root", str(book), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def solve(book: Path, body: str) -> None:
+    """Replace the stub's raise in the workspace with the learner's `body` (one line)."""
+    path = book / WORKFILE
+    text = path.read_text()
+    assert STUB in text, "the workspace should still hold the stub"
+    path.write_text(text.replace(STUB, body))
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} should occur once in {path}"
+    path.write_text(text.replace(old, new))
+
+
+def add_exercise(book: Path, entry: str) -> None:
+    with (book / "practice" / "exercises.toml").open("a") as registry:
+        registry.write("\n[[exercise]]\n" + entry)
+
+
+# ---------------------------------------------------------------- the learner's loop
+
+
+def test_check_passes_on_the_fixture_book(book_copy, capsys):
+    """The fixture's stub fails its test and its reference passes it: the author's check is green."""
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 0, out
+    assert "02.1 shout a text" in out
+    assert out.splitlines()[-1] == "1 passed, 0 failed"
+
+
+def test_untouched_stub_fails_test_and_names_the_file_and_line_to_edit(book_copy, capsys):
+    """`start` lays the stub; `test` on it says the exercise is not implemented and where to write it."""
+    code, out, _ = run(capsys, book_copy, "start", "02.1")
+    assert code == 0
+    lines = (book_copy / WORKFILE).read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if STUB in text)
+    assert f"{WORKFILE}:{line}" in out
+    assert "test 02.1" in out
+
+    code, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert code == 1
+    assert f"exercise 02.1 is not implemented yet: edit {WORKFILE}:{line}" in out
+    progress = json.loads((book_copy / "practice/workspace/progress.json").read_text())
+    assert progress["02.1"]["status"] == "started"
+
+
+def test_reference_solution_passes_test_and_records_progress(book_copy, capsys):
+    """The reference written into the workspace passes; progress.json and `list` say so."""
+    run(capsys, book_copy, "start", "02.1")
+    solve(book_copy, 'return text.upper() + "!"')
+    code, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert code == 0, out
+    assert "exercise 02.1 passed" in out
+    assert "all 1 exercises passed" in out  # no next exercise: the fixture has one
+    progress = json.loads((book_copy / "practice/workspace/progress.json").read_text())
+    assert progress["02.1"]["status"] == "passed"
+    code, out, _ = run(capsys, book_copy, "list")
+    assert "1/1 passed" in out and "minibook/words.py" in out
+
+
+def test_wrong_solution_shows_the_failed_test_its_assertion_and_the_next_hint(book_copy, capsys):
+    """A wrong answer names the failed test and its assertion, then gives hint 1, then hint 2."""
+    run(capsys, book_copy, "start", "02.1")
+    solve(book_copy, "return text.upper()")
+    code, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert code == 1
+    assert TEST_NODE in out
+    assert "assert 'HI THERE' == 'HI THERE!'" in out
+    assert "hint 1/2 for 02.1: str.upper() gives the capitals." in out
+    assert "not implemented" not in out
+    _, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert "hint 2/2 for 02.1: Then add one '!'." in out and "hint 1/2" not in out
+
+
+def test_hint_shows_hints_in_order_then_says_there_are_no_more(book_copy, capsys):
+    """`hint` gives the next unseen hint (remembered across runs); `--all` lists every one."""
+    outs = [run(capsys, book_copy, "hint", "02.1")[1] for _ in range(3)]
+    assert "hint 1/2 for 02.1: str.upper() gives the capitals." in outs[0]
+    assert "hint 2/2 for 02.1: Then add one '!'." in outs[1] and "hint 1/2" not in outs[1]
+    assert "no more hints" in outs[2]
+    _, out, _ = run(capsys, book_copy, "hint", "02.1", "--all")
+    assert out.index("hint 1/2") < out.index("hint 2/2")
+
+
+def test_start_twice_without_force_refuses_and_keeps_the_learners_file(book_copy, capsys):
+    """A second `start` would erase the learner's work: it refuses unless --force."""
+    run(capsys, book_copy, "start", "02.1")
+    solve(book_copy, "return 'my work'")
+    code, _, err = run(capsys, book_copy, "start", "02.1")
+    assert code == 2
+    assert "already exists" in err and "--force" in err
+    assert "return 'my work'" in (book_copy / WORKFILE).read_text()
+    code, _, _ = run(capsys, book_copy, "start", "02.1", "--force")
+    assert code == 0
+    assert STUB in (book_copy / WORKFILE).read_text()
+
+
+def test_unknown_exercise_is_an_error_naming_the_known_ones(book_copy, capsys):
+    """A wrong id names itself and the ids that exist."""
+    code, out, err = run(capsys, book_copy, "test", "09.9")
+    assert code == 2
+    assert "unknown exercise '09.9': known are 02.1" in err
+
+
+def test_test_before_start_says_to_run_start(book_copy, capsys):
+    """`test` without a workspace points to `start`, not to a pytest error."""
+    code, _, err = run(capsys, book_copy, "test", "02.1")
+    assert code == 2
+    assert "not started" in err and "start 02.1" in err
+
+
+def test_the_script_runs_with_root_after_the_command(book_copy):
+    """`python practice/judge.py list --root DIR` works as a script, --root after the command too."""
+    result = subprocess.run([sys.executable, str(JUDGE), "list", "--root", str(book_copy)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "02.1" in result.stdout and "0/1 passed" in result.stdout
+
+
+# ---------------------------------------------------------------- the author's check fails
+
+
+def test_check_fails_when_a_registry_exercise_has_no_marker(book_copy, capsys):
+    """An exercise listed in practice/exercises.toml but never marked in the source fails the check."""
+    add_exercise(book_copy, f'id = "02.2"\ntitle = "ghost"\ntests = ["{TEST_NODE}"]\nhints = ["boo"]\n')
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert "02.2 ghost" in out and "no `# >>> exercise 02.2: ...` marker" in out
+    assert out.splitlines()[-1] == "1 passed, 1 failed"
+
+
+def test_check_fails_when_a_marker_has_no_registry_entry(book_copy, capsys):
+    """A solution region the registry does not list fails the check."""
+    edit(book_copy / "minibook/words.py", "        self.total += count_words(text)\n",
+         "        # >>> exercise 01.1: add up\n        self.total += count_words(text)\n"
+         "        # <<< exercise 01.1\n")
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert "marker `# >>> exercise 01.1` at minibook/words.py:" in out and "has no entry" in out
+
+
+def test_check_fails_when_an_exercise_has_no_tests_or_hints(book_copy, capsys):
+    """Every exercise needs at least one test and one hint."""
+    edit(book_copy / "practice/exercises.toml", f'tests = ["{TEST_NODE}"]', "tests = []")
+    edit(book_copy / "practice/exercises.toml", "hints = [", "unused = [")
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert "lists no tests" in out and "has no hints" in out
+
+
+def test_check_fails_when_the_stub_passes_a_test_that_skips_the_region(book_copy, capsys):
+    """A listed test that never calls shout() passes on the stub: it cannot catch a missing solution."""
+    other = "tests/test_ch02_windows.py::test_windows_have_the_requested_size"
+    edit(book_copy / "practice/exercises.toml", TEST_NODE, other)
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert f"the stub passes {other}" in out
+    assert out.splitlines()[-1] == "0 passed, 1 failed"
+
+
+def test_check_fails_when_the_reference_fails_a_listed_test(book_copy, capsys):
+    """A listed test the reference solution fails is reported with its assertion."""
+    (book_copy / "tests/test_ch02_strict.py").write_text(
+        "from minibook import shout\n\n\ndef test_shout_adds_two_bangs():\n"
+        "    assert shout('a') == 'A!!'\n")
+    edit(book_copy / "practice/exercises.toml", f'"{TEST_NODE}"',
+         f'"{TEST_NODE}", "tests/test_ch02_strict.py::test_shout_adds_two_bangs"')
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert "the reference fails: tests/test_ch02_strict.py::test_shout_adds_two_bangs" in out
+    assert "assert 'A!' == 'A!!'" in out
+
+
+def test_check_fails_when_a_listed_test_file_is_not_in_the_stage(book_copy, capsys):
+    """A test file of a later chapter (or none) is missing in the exercise's stage."""
+    edit(book_copy / "practice/exercises.toml", TEST_NODE,
+         "tests/test_ch03_fixes.py::test_last_window_ends_at_the_last_item")
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert "test file tests/test_ch03_fixes.py is not in stage 02" in out

@@ -1,0 +1,349 @@
+"""Tests of tools/steps.py, the step checker, on the fixture book in tests/tools/fixtures/book.
+
+The fixture is three chapters of a package `minibook`: a file that arrives in ch02 (window.py, file
+marker), a function that arrives in ch02 (shout, a block holding exercise 02.1), a ch01 block that ch03
+replaces (count_words), and a fix tagged in ch03 (off-by-one in windows) with its regression test.
+Every test that changes the book works on a copy (`book_copy`).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import steps
+
+STEPS = Path(steps.__file__)
+MARKER_LINE = re.compile(r"^\s*#\s*(>>>|<<<)|^\s*#\|")
+
+
+def run_steps(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(STEPS), "--root", str(root), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} should occur once in {path}"
+    path.write_text(text.replace(old, new))
+
+
+def files_of(stage: Path) -> dict[str, str]:
+    return {p.relative_to(stage).as_posix(): p.read_text() for p in stage.rglob("*") if p.is_file()}
+
+
+def later_lines(book: Path, after: int) -> set[str]:
+    """The non-blank lines of later blocks (chapter > `after`) in the files of stage `after`."""
+    out: set[str] = set()
+
+    def walk(nodes: list, chapter: int) -> None:
+        for node in nodes:
+            if isinstance(node, str):
+                if chapter > after and node.strip():
+                    out.add(node.strip())
+            else:
+                walk(node.body, chapter if node.exercise else max(chapter, node.chapter))
+
+    loaded = steps.load_book(book)
+    for rel, source in loaded.sources.items():
+        if loaded.files[rel] <= after:
+            walk(source.nodes, loaded.files[rel])
+    return out
+
+
+# ---------------------------------------------------------------- stages hold what was taught
+
+def test_stage1_holds_no_line_of_chapters_2_and_3(book: Path, tmp_path: Path) -> None:
+    """Stage 1 has only ch01 files, none of the lines that ch02-ch03 add, and a ch01-only registry."""
+    stage = steps.build_stage(book, 1, tmp_path / "ch01")
+    files = files_of(stage)
+    assert set(files) == {"chapters/01-words.md", "chapters/chapters.toml", "examples/ch01_words.py",
+                          "minibook/__init__.py", "minibook/words.py", "practice/exercises.toml",
+                          "tests/test_ch01_words.py"}
+    stage_lines = {line.strip() for text in files.values() for line in text.splitlines()}
+    assert later_lines(book, 1) and not (later_lines(book, 1) & stage_lines)
+    assert 'return len(text.split(" "))' in files["minibook/words.py"]
+    registry = tomllib.loads(files["chapters/chapters.toml"])
+    assert [c["number"] for c in registry["chapter"]] == [1]
+
+
+def test_stage2_holds_ch02_function_and_file_but_old_ch01_block(book: Path, tmp_path: Path) -> None:
+    """Stage 2 has window.py (file marker) and shout (block), yet count_words and its test are ch01's."""
+    files = files_of(steps.build_stage(book, 2, tmp_path / "ch02"))
+    assert "minibook/window.py" in files and "tests/test_ch03_fixes.py" not in files
+    assert "def shout(text: str) -> str:" in files["minibook/words.py"]
+    assert "    return len(text.split(\" \"))" in files["minibook/words.py"]
+    assert "len(text.split())" not in files["minibook/words.py"]
+    assert "def test_count_words_counts_empty_words_between_double_spaces" in files["tests/test_ch01_words.py"]
+    assert "range(len(items) - size)]" in files["minibook/window.py"]
+    assert not files["minibook/window.py"].startswith("# >>>")
+
+
+def test_stage3_holds_new_block_and_no_marker_lines(book: Path, tmp_path: Path) -> None:
+    """Stage 3 has the replacing code, drops the replaced test, and no stage holds a marker or '#|' line."""
+    files = files_of(steps.build_stage(book, 3, tmp_path / "ch03"))
+    assert "    return len(text.split())" in files["minibook/words.py"]
+    assert 'split(" ")' not in files["minibook/words.py"]
+    assert "double_spaces" not in files["tests/test_ch01_words.py"]
+    assert "range(len(items) - size + 1)]" in files["minibook/window.py"]
+    for n in (1, 2, 3):
+        for rel, text in files_of(steps.build_stage(book, n, tmp_path / f"s{n}")).items():
+            if rel.endswith(".py"):
+                assert not [line for line in text.splitlines() if MARKER_LINE.match(line)], rel
+
+
+def test_last_stage_is_the_source_without_marker_lines(book: Path, tmp_path: Path) -> None:
+    """The final stage reads exactly as the source with its marker and '#|' lines taken out."""
+    files = files_of(steps.build_stage(book, 3, tmp_path / "ch03"))
+    for rel in ("minibook/words.py", "minibook/window.py", "minibook/__init__.py"):
+        source = (book / rel).read_text().splitlines()
+        assert files[rel].splitlines() == [line for line in source if not MARKER_LINE.match(line)]
+
+
+def test_load_registry_reads_chapters_and_fixes(book: Path) -> None:
+    """The registry gives the package, the chapters in order and the ch03 fix with its test."""
+    registry = steps.load_registry(book)
+    assert registry.package == "minibook" and registry.numbers == [1, 2, 3]
+    assert registry.chapters[1].tests == ["tests/test_ch02_windows.py", "tests/test_ch02_shout.py"]
+    assert registry.chapters[2].fixes == [steps.Fix(
+        "off-by-one", ["tests/test_ch03_fixes.py::test_last_window_ends_at_the_last_item"])]
+
+
+def test_binary_files_are_copied_byte_for_byte(book_copy: Path, tmp_path: Path) -> None:
+    """A binary file (chapter 01 by default) lands unchanged in every stage; diff names it, nothing more."""
+    blob = bytes(range(256)) * 4
+    (book_copy / "minibook" / "weights.bin").write_bytes(blob)
+    stage = steps.build_stage(book_copy, 2, tmp_path / "ch02")
+    assert (stage / "minibook" / "weights.bin").read_bytes() == blob
+    out = run_steps(book_copy, "diff", "1").stdout
+    assert "binary file added: minibook/weights.bin" in out and "@@" in out
+
+
+# ---------------------------------------------------------------- running a stage
+
+def test_run_pytest_imports_the_stage_package_and_ignores_outside_config(book: Path, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """run_pytest imports the stage's minibook, not one on PYTHONPATH, and no pytest config above it."""
+    decoy = tmp_path / "decoy" / "minibook"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
+    monkeypatch.setenv("PYTHONPATH", str(decoy.parent))
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "--no-such-option"\n')
+    stage = steps.build_stage(book, 1, tmp_path / "build" / "ch01")
+    (stage / "tests" / "test_where.py").write_text(
+        "import minibook, pathlib\n\ndef test_where():\n"
+        f"    assert pathlib.Path(minibook.__file__).parent == pathlib.Path({str(stage)!r}) / 'minibook'\n")
+    result = steps.run_pytest(stage, ["tests"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 passed" in result.stdout
+
+
+def test_revert_proof_makes_the_registered_test_fail(book: Path, tmp_path: Path) -> None:
+    """Stage 3 with fix off-by-one reverted has the old code, and the registered test fails there."""
+    test = steps.load_registry(book).chapters[2].fixes[0].tests[0]
+    stage = steps.build_stage(book, 3, tmp_path / "ch03")
+    reverted = steps.build_stage(book, 3, tmp_path / "ch03-revert", revert="off-by-one")
+    assert "range(len(items) - size)]" in (reverted / "minibook" / "window.py").read_text()
+    assert "len(text.split())" in (reverted / "minibook" / "words.py").read_text()  # only the fix goes
+    assert steps.run_pytest(stage, [test]).returncode == 0
+    failed = steps.run_pytest(reverted, [test])
+    assert failed.returncode == 1 and "assert [2, 3] == [3, 4]" in failed.stdout
+
+
+def test_check_passes_on_the_fixture(book: Path) -> None:
+    """`check` on the fixture runs every stage's tests and example, the proof and the snippets, and
+    ends with the plain line 'N passed, 0 failed'."""
+    result = run_steps(book, "check")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.fullmatch(r"(\d+) passed, 0 failed", lines[-1])
+    assert int(lines[-1].split()[0]) == 14
+    for name in ("stage 01 tests", "stage 02 example", "stage 03 tests", "proof off-by-one",
+                 "snippets ch03"):
+        assert any(re.match(rf"{name}\s+pass", line) for line in lines), name
+
+
+def test_check_fails_when_the_registered_test_misses_the_revert(book_copy: Path) -> None:
+    """A fix whose registered test still passes with the fix reverted fails `check`."""
+    edit(book_copy / "chapters" / "chapters.toml", "test_last_window_ends_at_the_last_item",
+         "test_count_words_ignores_runs_of_whitespace")
+    result = run_steps(book_copy, "check", "--chapters", "3")
+    assert result.returncode == 1
+    assert re.search(r"^proof off-by-one\s+FAIL", result.stdout, re.M)
+    assert "passes with fix 'off-by-one' reverted: it does not catch the bug" in result.stdout
+    assert re.fullmatch(r"\d+ passed, 1 failed", result.stdout.strip().splitlines()[-1])
+
+
+def test_check_reports_a_failing_stage_test_with_its_output(book_copy: Path) -> None:
+    """A ch02 test that breaks fails 'stage 02 tests' (and later stages) with pytest's tail shown."""
+    edit(book_copy / "tests" / "test_ch02_shout.py", '"HI THERE!"', '"HI THERE?"')
+    result = run_steps(book_copy, "check", "--chapters", "2", "--no-proofs")
+    assert result.returncode == 1
+    assert re.search(r"^stage 02 tests\s+FAIL", result.stdout, re.M)
+    assert "test_shout_uppercases_and_adds_a_bang" in result.stdout
+
+
+# ---------------------------------------------------------------- exercises
+
+def test_find_exercises_locates_the_region(book: Path) -> None:
+    """find_exercises maps 02.1 to its title, chapter, file and marker line."""
+    assert steps.find_exercises(book) == {
+        "02.1": steps.ExerciseMarker("02.1", "shout a text", 2, Path("minibook/words.py"), 29)}
+
+
+def test_stub_replaces_the_region_with_not_implemented(book: Path, tmp_path: Path) -> None:
+    """A stub swaps the solution region for one raise at the marker's indentation; its test fails."""
+    stage = steps.build_stage(book, 2, tmp_path / "ws", stub="02.1")
+    words = (stage / "minibook" / "words.py").read_text()
+    assert '    raise NotImplementedError("exercise 02.1: shout a text")' in words.splitlines()
+    assert "text.upper()" not in words
+    result = steps.run_pytest(stage, ["tests/test_ch02_shout.py"])
+    assert result.returncode == 1 and "NotImplementedError: exercise 02.1: shout a text" in result.stdout
+    assert steps.run_pytest(stage, ["tests/test_ch02_windows.py"]).returncode == 0
+
+
+def test_bad_stub_or_revert_names_raise(book: Path, tmp_path: Path) -> None:
+    """Stubbing an unknown exercise or reverting a fix the stage does not hold raises MarkerError."""
+    with pytest.raises(steps.MarkerError, match="exercise 09.9"):
+        steps.build_stage(book, 2, tmp_path / "a", stub="09.9")
+    with pytest.raises(steps.MarkerError, match="off-by-one"):
+        steps.build_stage(book, 2, tmp_path / "b", revert="off-by-one")
+
+
+# ---------------------------------------------------------------- structural errors
+
+STRUCTURAL = {
+    "unbalanced marker": ("minibook/words.py", "    # <<< exercise 02.1\n# <<< ch02\n", "    # <<< exercise 02.1\n",
+                          "minibook/words.py:26: '# >>> ch02' is never closed"),
+    "mismatched close": ("minibook/window.py", "    # <<< ch03", "    # <<< ch02",
+                         "minibook/window.py:12: '# <<< ch02' closes '# >>> ch03' opened at line 9"),
+    "unknown chapter": ("minibook/words.py", "# >>> ch02: shouting", "# >>> ch04: shouting",
+                        "minibook/words.py:26: unknown chapter ch04"),
+    "replaces a later chapter": ("minibook/words.py", "ch03 replaces ch01", "ch03 replaces ch03",
+                                 "minibook/words.py:8: ch03 replaces ch03: it must replace an earlier chapter"),
+    "stray old-code line": ("minibook/words.py", "        self.total = 0\n",
+                            "        self.total = 0\n        #| self.total = 1\n",
+                            "minibook/words.py:19: stray '#|' line"),
+    "replaces without old code": ("minibook/words.py", '    #| return len(text.split(" "))\n', "",
+                                  "minibook/words.py:8: a 'replaces' marker needs the old code"),
+    "malformed marker": ("minibook/words.py", "# >>> ch02: shouting", "# >>> ch02 shouting",
+                         "minibook/words.py:26: malformed marker"),
+    "registry fix without marker": ("chapters/chapters.toml", "test_last_window_ends_at_the_last_item\"]\n",
+                                    "test_last_window_ends_at_the_last_item\"]\n\n"
+                                    "[[chapter.fix]]\nname = \"ghost\"\ntests = []\n",
+                                    "chapters/chapters.toml:30: fix 'ghost' of ch03 has no marker"),
+    "marker fix not in registry": ("minibook/window.py", "fix off-by-one", "fix off-by-two",
+                                   "minibook/window.py:9: fix 'off-by-two' is not in the registry"),
+    "inner chapter smaller than outer": ("minibook/words.py", '    """`text` in capitals, with one exclamation mark."""\n',
+                                         '    # >>> ch01: too early\n    pass\n    # <<< ch01\n',
+                                         "minibook/words.py:28: 'ch01' sits inside ch02 code"),
+    "block older than its file": ("minibook/window.py", "ch03 fix off-by-one replaces ch02", "ch03 fix off-by-one replaces ch01",
+                                  "minibook/window.py:9: 'ch03' sits inside ch02 code"),
+    "registry test missing in its stage": ("chapters/chapters.toml", 'tests = ["tests/test_ch01_words.py"]',
+                                           'tests = ["tests/test_ch01_words.py", "tests/test_ch02_shout.py"]',
+                                           "chapters/chapters.toml:9: ch01 names tests/test_ch02_shout.py, "
+                                           "which arrives in ch02"),
+}
+
+
+@pytest.mark.parametrize("case", list(STRUCTURAL))
+def test_structural_error_names_file_and_line(book_copy: Path, tmp_path: Path, case: str) -> None:
+    """Each structural error raises MarkerError whose message starts with 'file:line:' and says what."""
+    rel, old, new, expected = STRUCTURAL[case]
+    edit(book_copy / rel, old, new)
+    with pytest.raises(steps.MarkerError) as raised:
+        steps.build_stage(book_copy, 3, tmp_path / "stage")
+    assert any(e.startswith(expected) for e in raised.value.errors), raised.value.errors
+
+
+def test_check_lists_every_marker_error_and_fails(book_copy: Path) -> None:
+    """`check` reports all marker errors at once, builds nothing, and ends '0 passed, 1 failed'."""
+    edit(book_copy / "minibook/window.py", "    # <<< ch03", "    # <<< ch02")
+    edit(book_copy / "minibook/words.py", "# >>> ch02: shouting", "# >>> ch04: shouting")
+    result = run_steps(book_copy, "check")
+    assert result.returncode == 1
+    assert "minibook/window.py:12: '# <<< ch02' closes '# >>> ch03' opened at line 9" in result.stdout
+    assert "minibook/words.py:26: unknown chapter ch04" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "0 passed, 1 failed"
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("from minibook.window import windows", "examples/ch01_words.py:4: imports module minibook.window, "
+                                            "which stage 01 lacks"),
+    ("from minibook import shout", "examples/ch01_words.py:4: imports shout from minibook, "
+                                   "which stage 01 lacks"),
+])
+def test_example_importing_what_its_stage_lacks_fails(book_copy: Path, line: str, expected: str) -> None:
+    """An example that imports a module or a name its stage lacks fails 'stage NN build' with file:line."""
+    edit(book_copy / "examples" / "ch01_words.py", "from minibook import count_words\n",
+         f"from minibook import count_words\n{line}\n")
+    book = steps.load_book(book_copy)
+    stage = steps._build(book, 1, book_copy.parent / "ch01")
+    assert steps.stage_import_errors(stage, "minibook", 1) == [expected]
+    result = run_steps(book_copy, "check", "--chapters", "1")
+    assert result.returncode == 1 and re.search(r"^stage 01 build\s+FAIL", result.stdout, re.M)
+    assert expected in result.stdout
+
+
+# ---------------------------------------------------------------- snippets
+
+def test_snippet_source_takes_decorators_and_dedents_methods(tmp_path: Path) -> None:
+    """`path::Name` takes the decorators along; `path::Class.method` is dedented; `path` is the file."""
+    (tmp_path / "m.py").write_text("import functools\n\n\n@functools.cache\ndef f(x):\n    return x\n\n\n"
+                                   "class C:\n    @staticmethod\n    def g():\n        return 1\n")
+    assert steps.snippet_source(tmp_path, "m.py::f") == ["@functools.cache", "def f(x):", "    return x"]
+    assert steps.snippet_source(tmp_path, "m.py::C.g") == ["@staticmethod", "def g():", "    return 1"]
+    assert steps.snippet_source(tmp_path, "m.py")[0] == "import functools"
+    with pytest.raises(steps.MarkerError, match="m.py has no C.h"):
+        steps.snippet_source(tmp_path, "m.py::C.h")
+
+
+def test_drifted_snippet_fails_and_write_repairs_it(book_copy: Path) -> None:
+    """A source edit that the chapters do not show fails the snippet check; `snippets --write` repairs it."""
+    edit(book_copy / "minibook" / "window.py", "Every run of `size` consecutive items, in order.",
+         "Each run of `size` neighbouring items.")
+    result = run_steps(book_copy, "snippets")
+    assert result.returncode == 1
+    assert "chapters/02-windows.md:5: snippet minibook/window.py::windows: drifted" in result.stdout
+    assert "chapters/03-fixes.md:14: snippet minibook/window.py::windows: drifted" in result.stdout
+    assert run_steps(book_copy, "snippets", "--write").returncode == 0
+    chapter = (book_copy / "chapters" / "02-windows.md").read_text()
+    assert '    """Each run of `size` neighbouring items."""\n    return [items[i : i + size] for i in ' \
+           "range(len(items) - size)]\n```" in chapter
+    assert run_steps(book_copy, "snippets").returncode == 0
+
+
+def test_snippet_naming_a_missing_function_is_an_error(book_copy: Path) -> None:
+    """A snippet that names a function its stage lacks fails, and --write cannot repair it."""
+    edit(book_copy / "chapters" / "01-words.md", "minibook/words.py::count_words", "minibook/words.py::shout")
+    result = run_steps(book_copy, "snippets", "--write")
+    assert result.returncode == 1
+    assert "chapters/01-words.md:5: snippet minibook/words.py::shout: minibook/words.py has no shout" \
+        in result.stdout
+
+
+# ---------------------------------------------------------------- diff and tree
+
+def test_diff_2_shows_the_added_function_and_file(book: Path) -> None:
+    """`diff 2` adds shout to words.py and window.py as a new file, and shows no ch03 code."""
+    result = run_steps(book, "diff", "2")
+    assert result.returncode == 0
+    out = result.stdout
+    assert "+def shout(text: str) -> str:" in out
+    assert "--- /dev/null\n+++ b/minibook/window.py" in out
+    assert "+from minibook.window import windows" in out
+    assert "size + 1" not in out and "split()" not in out
+
+
+def test_tree_2_marks_the_new_file(book: Path) -> None:
+    """`tree 2` marks window.py new and words.py changed, and folds practice/ as unchanged."""
+    out = run_steps(book, "tree", "2").stdout
+    marks = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
+    assert marks["window.py"] == ["new"] and marks["words.py"] == ["changed"]
+    assert marks["test_ch01_words.py"] == []
+    assert "practice/ (1 file, unchanged)" in out

@@ -1,0 +1,811 @@
+"""The step checker: one annotated source, a working tree for every chapter.
+
+minioverlap/ holds the final engine. Markers in the source (`# >>> ch06: ...` / `# <<< ch06`) say
+when each block arrives; this tool derives the tree as of any chapter (a *stage*) and proves that
+every stage works: its tests pass, its example runs, every regression test catches the bug it was
+written for, and every snippet in the chapters equals its stage's source. tools/README.md holds the
+grammar; this file is the splitter and the checker.
+
+    python tools/steps.py build N                  # build/stages/chNN/
+    python tools/steps.py check [--chapters 1-3] [--no-proofs]
+    python tools/steps.py diff N | tree N | snippets [--write]
+
+practice/judge.py imports it (`sys.path.insert(0, "tools"); import steps`) for load_registry,
+build_stage, find_exercises and run_pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+REGISTRY = "chapters/chapters.toml"
+STAGED = ("tests", "examples", "chapters", "practice")  # and the package folder
+NOT_STAGED = ("tests/tools", "practice/workspace")
+SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".mypy_cache", ".ruff_cache"}
+
+MARKER = re.compile(r"^(?P<indent>[ \t]*)# (?P<dir>>>>|<<<) (?P<body>.*?)\s*$")
+LOOKS_LIKE_MARKER = re.compile(r"^[ \t]*#\s*(>>>|<<<)")
+OLD_LINE = re.compile(r"^[ \t]*#\|(?P<rest>.*)$")
+OPEN_CH = re.compile(r"ch(?P<ch>\d+)(?: fix (?P<fix>[\w.-]+))?(?: replaces ch(?P<old>\d+))?"
+                     r":(?: (?P<text>.*))?$")
+OPEN_FILE = re.compile(r"ch(?P<ch>\d+) file:(?: .*)?$")
+OPEN_EXERCISE = re.compile(r"exercise (?P<id>(?P<ch>\d+)\.\d+): (?P<title>\S.*)$")
+CLOSE = re.compile(r"ch(?P<ch>\d+)$|exercise (?P<id>\d+\.\d+)$")
+SNIPPET = re.compile(r"^<!-- snippet: (?P<ref>\S+) -->\s*$")
+NAMED = {"tests": re.compile(r"test_ch(\d+)_.*\.py$"), "examples": re.compile(r"ch(\d+)_"),
+         "chapters": re.compile(r"(\d+)-.*\.md$")}
+
+
+class MarkerError(ValueError):
+    """A structural error (markers, registry, stage); each message starts `file:line:`."""
+
+    def __init__(self, message: str, errors: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or [message]
+
+
+# ---------------------------------------------------------------- the registry
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    tests: list[str]
+
+
+@dataclass(frozen=True)
+class Chapter:
+    number: int
+    slug: str
+    title: str
+    example: str | None
+    tests: list[str]
+    fixes: list[Fix] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Registry:
+    package: str
+    chapters: list[Chapter]
+    text: str = ""  # the file as written, for line numbers and the stages' copies
+
+    @property
+    def numbers(self) -> list[int]:
+        return [c.number for c in self.chapters]
+
+    def chapter(self, number: int) -> Chapter:
+        found = [c for c in self.chapters if c.number == number]
+        if not found:
+            raise MarkerError(f"{REGISTRY}:1: unknown chapter {number} (the registry has {self.numbers})")
+        return found[0]
+
+    def line_of(self, pattern: str) -> int:
+        """The first line matching the regex `pattern`, for error messages (1 if none)."""
+        lines = self.text.splitlines()
+        return next((i for i, line in enumerate(lines, 1) if re.search(pattern, line)), 1)
+
+
+def load_registry(root: Path) -> Registry:
+    """Parse chapters/chapters.toml; a malformed registry raises MarkerError."""
+    if not (Path(root) / REGISTRY).is_file():
+        raise MarkerError(f"{REGISTRY}:1: no chapter registry under {root}")
+    text = (Path(root) / REGISTRY).read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise MarkerError(f"{REGISTRY}: {e}") from None
+    if not isinstance(data.get("package"), str):
+        raise MarkerError(f'{REGISTRY}:1: needs package = "name"')
+    headers = [i for i, line in enumerate(text.splitlines(), 1) if line.strip() == "[[chapter]]"]
+    chapters = []
+    for i, c in enumerate(data.get("chapter", [])):
+        try:
+            fixes = [Fix(f["name"], list(f["tests"])) for f in c.get("fix", [])]
+            chapters.append(Chapter(int(c["number"]), c["slug"], c["title"], c.get("example"),
+                                    list(c.get("tests", [])), fixes))
+        except (KeyError, TypeError, ValueError) as e:
+            line = headers[i] if i < len(headers) else 1
+            raise MarkerError(f"{REGISTRY}:{line}: this chapter (or one of its fixes) lacks or "
+                              f"mistypes {e}") from None
+    numbers = [c.number for c in chapters]
+    if numbers != sorted(set(numbers)):
+        raise MarkerError(f"{REGISTRY}:1: chapter numbers must be unique and ascending, got {numbers}")
+    return Registry(data["package"], chapters, text)
+
+
+def filtered_registry_text(text: str, chapter: int) -> str:
+    """chapters.toml as stage `chapter` holds it: the same text without the later chapters."""
+    parts = re.split(r"(?m)^(?=\[\[chapter\]\][ \t]*(?:#.*)?$)", text)
+    return "".join([parts[0]] + [p for p in parts[1:] if tomllib.loads(p)["chapter"][0]["number"] <= chapter])
+
+
+# ---------------------------------------------------------------- markers
+
+@dataclass(eq=False)
+class Block:
+    """One `# >>>` ... `# <<<` region: a chapter block or an exercise's solution region."""
+    path: str
+    line: int
+    indent: str
+    chapter: int
+    exercise: str | None = None  # "02.1" for a solution region
+    title: str = ""
+    fix: str | None = None
+    replaces: int | None = None
+    old: list[str] = field(default_factory=list)  # the `#|` lines, uncommented
+    body: list[Block | str] = field(default_factory=list)
+
+    @property
+    def head(self) -> str:
+        return f"# >>> exercise {self.exercise}" if self.exercise else f"# >>> ch{self.chapter:02d}"
+
+
+@dataclass
+class Source:
+    """A parsed .py file: its file marker's chapter (if any) and its tree of lines and blocks."""
+    path: str
+    chapter: int | None
+    nodes: list[Block | str]
+    trailing_newline: bool
+
+
+class ExerciseMarker(NamedTuple):
+    id: str
+    title: str
+    chapter: int
+    path: Path  # relative to the root
+    line: int
+
+
+def blocks(nodes: list[Block | str]) -> Iterator[Block]:
+    for node in nodes:
+        if isinstance(node, Block):
+            yield node
+            yield from blocks(node.body)
+
+
+def parse_source(text: str, path: str) -> tuple[Source, list[str]]:
+    """Parse the markers of one file into a tree; returns it with every balance error found."""
+    nodes: list[Block | str] = []
+    stack: list[Block] = []
+    errors: list[str] = []
+    file_chapter, old_of = None, None  # old_of: the `replaces` block whose `#|` lines may follow
+    for n, line in enumerate(text.splitlines(), 1):
+        if (m := OLD_LINE.match(line)):
+            if old_of is None:
+                errors.append(f"{path}:{n}: stray '#|' line: old code may only follow a 'replaces' marker")
+            else:
+                rest = m["rest"][1:] if m["rest"].startswith(" ") else m["rest"]
+                old_of.old.append(old_of.indent + rest if rest else "")
+            continue
+        if old_of is not None and not old_of.old:
+            errors.append(f"{path}:{old_of.line}: a 'replaces' marker needs the old code as '#|' lines")
+        old_of = None
+        m = MARKER.match(line)
+        if m is None:
+            if LOOKS_LIKE_MARKER.match(line):
+                errors.append(f"{path}:{n}: malformed marker {line.strip()!r} (see tools/README.md)")
+            else:
+                (stack[-1].body if stack else nodes).append(line)
+        elif m["dir"] == "<<<":
+            _close(m["body"], line.strip(), f"{path}:{n}", stack, errors)
+        elif (f := OPEN_FILE.match(m["body"])):
+            if n != 1:
+                errors.append(f"{path}:{n}: a file marker must be the first line of the file")
+            file_chapter = int(f["ch"])
+        elif (block := _open(m["body"], path, n, m["indent"])) is None:
+            errors.append(f"{path}:{n}: malformed marker {line.strip()!r} (see tools/README.md)")
+        else:
+            (stack[-1].body if stack else nodes).append(block)
+            stack.append(block)
+            old_of = block if block.replaces is not None else None
+    errors += [f"{path}:{b.line}: '{b.head}' is never closed" for b in stack]
+    return Source(path, file_chapter, nodes, text.endswith("\n")), errors
+
+
+def _open(body: str, path: str, line: int, indent: str) -> Block | None:
+    if (e := OPEN_EXERCISE.match(body)):
+        return Block(path, line, indent, int(e["ch"]), exercise=e["id"], title=e["title"])
+    if (c := OPEN_CH.match(body)):
+        return Block(path, line, indent, int(c["ch"]), fix=c["fix"], title=c["text"] or "",
+                     replaces=int(c["old"]) if c["old"] else None)
+    return None
+
+
+def _close(body: str, shown: str, where: str, stack: list[Block], errors: list[str]) -> None:
+    if (c := CLOSE.match(body)) is None:
+        errors.append(f"{where}: malformed marker {shown!r}")
+        return
+    key = c["id"] or int(c["ch"])
+    keys = [b.exercise or b.chapter for b in stack]
+    if not stack:
+        errors.append(f"{where}: {shown!r} closes nothing: no marker is open")
+    elif keys[-1] != key:
+        errors.append(f"{where}: {shown!r} closes '{stack[-1].head}' opened at line {stack[-1].line}")
+        if key in keys:  # recover: close the matching block and what it holds
+            del stack[len(keys) - 1 - keys[::-1].index(key):]
+    else:
+        stack.pop()
+
+
+# ---------------------------------------------------------------- the book: registry + sources
+
+@dataclass
+class Book:
+    root: Path
+    registry: Registry
+    files: dict[str, int]  # every staged path -> the chapter it arrives in
+    sources: dict[str, Source]  # the .py files, parsed
+
+
+def source_paths(root: Path, package: str) -> list[str]:
+    """Every staged path under root: relative, posix, sorted."""
+    out = []
+    for top in (package, *STAGED):
+        for dirpath, dirnames, filenames in os.walk(root / top):
+            here = Path(dirpath).relative_to(root).as_posix()
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")
+                           and f"{here}/{d}" not in NOT_STAGED]
+            out += [f"{here}/{f}" for f in filenames if not f.endswith(".pyc")]
+    return sorted(out)
+
+
+def file_chapter(rel: str, source: Source | None, first: int) -> int:
+    """The chapter a file arrives in: from its name, else its file marker, else the first chapter."""
+    top, name = rel.split("/")[0], rel.rsplit("/", 1)[-1]
+    if top in NAMED and (m := NAMED[top].match(name)):
+        return int(m[1])
+    return source.chapter if source and source.chapter is not None else first
+
+
+def load_book(root: Path) -> Book:
+    """Load the registry and parse every staged file; MarkerError lists every error at once."""
+    root = Path(root).resolve()
+    registry = load_registry(root)
+    errors: list[str] = []
+    files, sources = {}, {}
+    for rel in source_paths(root, registry.package):
+        if rel.endswith(".py"):
+            sources[rel], found = parse_source((root / rel).read_text(), rel)
+            errors += found
+        files[rel] = file_chapter(rel, sources.get(rel), (registry.numbers or [1])[0])
+    book = Book(root, registry, files, sources)
+    errors += marker_errors(book) + registry_errors(book)
+    if errors:
+        raise MarkerError(f"{len(errors)} structural error(s):\n" + "\n".join(errors), errors)
+    return book
+
+
+def marker_errors(book: Book) -> list[str]:
+    """Known chapters, nesting that only moves forward, unique exercises, fixes the registry names."""
+    known, errors = set(book.registry.numbers), []
+    errors += [f"{rel}:1: unknown chapter ch{n:02d} (the registry has {sorted(known)})"
+               for rel, n in book.files.items() if n not in known]
+    outer_of = {}  # block -> the chapter of the code around it
+    for rel, source in book.sources.items():
+        _outer(source.nodes, book.files[rel], outer_of)
+    seen: dict[str, str] = {}
+    registered = {f.name: c.number for c in book.registry.chapters for f in c.fixes}
+    for b, outer in outer_of.items():
+        where, label = f"{b.path}:{b.line}", b.head.removeprefix("# >>> ")
+        errors += [f"{where}: unknown chapter ch{n:02d} in '{label}' (the registry has {sorted(known)})"
+                   for n in (b.chapter, b.replaces) if n is not None and n not in known]
+        if b.replaces is not None and b.replaces >= b.chapter:
+            errors.append(f"{where}: ch{b.chapter:02d} replaces ch{b.replaces:02d}: it must replace an "
+                          f"earlier chapter")
+        if min(b.chapter, b.replaces or b.chapter) < outer:
+            errors.append(f"{where}: '{label}' sits inside ch{outer:02d} code: an inner chapter must be "
+                          f">= the outer one")
+        if b.exercise and b.exercise in seen:
+            errors.append(f"{where}: exercise {b.exercise} is already marked at {seen[b.exercise]}")
+        elif b.exercise:
+            seen[b.exercise] = where
+        if b.fix and registered.get(b.fix) != b.chapter:
+            elsewhere = f" (it names it in ch{registered[b.fix]:02d})" if b.fix in registered else ""
+            errors.append(f"{where}: fix '{b.fix}' is not in the registry for ch{b.chapter:02d}{elsewhere}")
+    used = {b.fix for b in outer_of}
+    for name, number in registered.items():
+        if name not in used:
+            line = book.registry.line_of(rf"name\s*=\s*[\"']{re.escape(name)}[\"']")
+            errors.append(f"{REGISTRY}:{line}: fix '{name}' of ch{number:02d} has no marker in the source")
+    return errors
+
+
+def _outer(nodes: list[Block | str], outer: int, out: dict[Block, int]) -> None:
+    for b in nodes:
+        if isinstance(b, Block):
+            out[b] = outer
+            _outer(b.body, outer if b.exercise else b.chapter, out)  # a region keeps its code's chapter
+
+
+def registry_errors(book: Book) -> list[str]:
+    """Every registry test, fix test and example exists and arrives no later than its chapter."""
+    errors = []
+    for c in book.registry.chapters:
+        for ref in [c.example] * bool(c.example) + c.tests + [t for f in c.fixes for t in f.tests]:
+            rel, where = ref.split("::")[0], f"{REGISTRY}:{book.registry.line_of(re.escape(ref))}"
+            if rel not in book.files:
+                errors.append(f"{where}: ch{c.number:02d} names {rel}, which is not in the source tree")
+            elif book.files[rel] > c.number:
+                errors.append(f"{where}: ch{c.number:02d} names {rel}, which arrives in "
+                              f"ch{book.files[rel]:02d}: stage {c.number:02d} lacks it")
+    return errors
+
+
+def find_exercises(root: Path) -> dict[str, ExerciseMarker]:
+    """Every `# >>> exercise NN.K: title` region of the staged sources, by id."""
+    book = load_book(root)
+    return {b.exercise: ExerciseMarker(b.exercise, b.title, b.chapter, Path(b.path), b.line)
+            for s in book.sources.values() for b in blocks(s.nodes) if b.exercise}
+
+
+# ---------------------------------------------------------------- building a stage
+
+def render(nodes: list[Block | str], chapter: int, revert: str | None, stub: str | None,
+           stubbed: set[str]) -> list[str]:
+    """The lines of a parsed file as of `chapter`: markers gone, old code restored where due."""
+    out: list[str] = []
+    for node in nodes:
+        if isinstance(node, str):
+            out.append(node)
+        elif node.exercise and node.exercise == stub:
+            message = json.dumps(f"exercise {node.exercise}: {node.title}", ensure_ascii=False)
+            out.append(f"{node.indent}raise NotImplementedError({message})")
+            stubbed.add(stub)
+        elif node.exercise or (chapter >= node.chapter and not (revert and node.fix == revert)):
+            out += render(node.body, chapter, revert, stub, stubbed)
+        elif node.replaces is not None and chapter >= node.replaces:
+            out += node.old
+    return out
+
+
+def tidy(lines: list[str]) -> list[str]:
+    """Squeeze the blank runs that dropped blocks leave: at most two in a row, none at the end."""
+    out: list[str] = []
+    for line in lines:
+        if line.strip() or len(out) < 2 or out[-1].strip() or out[-2].strip():
+            out.append(line)
+    while out and not out[-1].strip():
+        out.pop()
+    return out
+
+
+def build_stage(root: Path, chapter: int, dest: Path, *, revert: str | None = None,
+                stub: str | None = None) -> Path:
+    """Write the tree as of `chapter` to dest (deleting dest first) and return dest; `revert` names a
+    fix to take back out, `stub` an exercise whose region becomes `raise NotImplementedError`."""
+    return _build(load_book(root), chapter, Path(dest), revert=revert, stub=stub)
+
+
+def _build(book: Book, chapter: int, dest: Path, *, revert: str | None = None,
+           stub: str | None = None) -> Path:
+    book.registry.chapter(chapter)
+    fixes = [b for s in book.sources.values() for b in blocks(s.nodes) if b.fix == revert]
+    if revert is not None and not any(b.chapter <= chapter for b in fixes):
+        raise MarkerError(f"stage {chapter:02d} holds no fix '{revert}' to revert")
+    dest = dest.resolve()
+    if dest == book.root or dest in book.root.parents:
+        raise MarkerError(f"refusing to delete {dest}: it holds the source tree")
+    shutil.rmtree(dest, ignore_errors=True)
+    stubbed: set[str] = set()
+    for rel in (rel for rel, arrives in book.files.items() if arrives <= chapter):
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (source := book.sources.get(rel)) is not None:
+            lines = tidy(render(source.nodes, chapter, revert, stub, stubbed))
+            target.write_text("\n".join(lines) + "\n" * (bool(lines) and source.trailing_newline))
+        elif rel == REGISTRY:
+            target.write_text(filtered_registry_text(book.registry.text, chapter))
+        else:
+            shutil.copy2(book.root / rel, target)
+    if stub is not None and stub not in stubbed:
+        raise MarkerError(f"exercise {stub} has no region in stage {chapter:02d}")
+    return dest
+
+
+# ---------------------------------------------------------------- running things in a stage
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
+         timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run a command and capture its output; a timeout comes back as exit status 124."""
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout:.0f}s\n")
+
+
+def stage_env(stage: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(stage), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True,
+               timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run pytest on `targets` in a stage, importing the stage's package, not an installed one.
+
+    The run is hermetic: an empty ini file stands in for any pytest config above the stage (a stage
+    under the repository would otherwise take the repository's, `pythonpath` included)."""
+    stage = Path(stage).resolve()
+    with tempfile.TemporaryDirectory(prefix="steps-ini-") as tmp:
+        (ini := Path(tmp) / "pytest.ini").write_text("[pytest]\n")
+        cmd = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-c", str(ini),
+               "--rootdir", str(stage), "--confcutdir", str(stage), *["-q"] * quiet]
+        return _run(cmd, stage, stage_env(stage), timeout)
+
+
+def package_error(stage: Path, package: str) -> list[str]:
+    """[] if `import package` in the stage finds the stage's own copy."""
+    code = f"import {package}; print({package}.__file__)"
+    r = _run([sys.executable, "-c", code], stage, stage_env(stage), 120)
+    if r.returncode != 0:
+        return [f"import {package} fails in the stage:\n{tail(r)}"]
+    found = Path(r.stdout.strip().splitlines()[-1]).resolve()
+    return [] if stage.resolve() in found.parents else [f"import {package} finds {found}, outside the stage"]
+
+
+def top_level_names(path: Path) -> set[str] | None:
+    """The names a module binds at top level; None if it cannot tell (`import *`, `__getattr__`)."""
+    names: set[str] = set()
+    todo = list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):  # `try: import x` and friends
+            todo += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return None if "__getattr__" in names else names
+
+
+def module_file(stage: Path, dotted: str) -> Path | None:
+    """The file (or namespace folder) of module `dotted` in the stage, if it has one."""
+    base = stage.joinpath(*dotted.split("."))
+    found = [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()]
+    return found[0] if found else base if base.is_dir() else None
+
+
+def stage_import_errors(stage: Path, package: str, chapter: int) -> list[str]:
+    """Imports of the stage's own modules (from tests, examples, practice and the package itself) that
+    the stage lacks: `import pkg.mod` and `from pkg.mod import Name` (a submodule or top-level name)."""
+    stage, errors, ours = Path(stage), [], {package, "tests", "examples", "practice"}
+    for py in sorted(stage.rglob("*.py")):
+        rel = py.relative_to(stage).as_posix()
+        if rel.split("/")[0] not in ours or SKIP_DIRS & set(rel.split("/")):
+            continue
+        try:
+            tree = ast.parse(py.read_text(), rel)
+        except SyntaxError as e:
+            errors.append(f"{rel}:{e.lineno}: syntax error in stage {chapter:02d}: {e.msg}")
+            continue
+        for node in ast.walk(tree):
+            for module, name in _imports(node, rel):
+                if module.split(".")[0] in ours and (what := _missing(stage, module, name)):
+                    errors.append(f"{rel}:{node.lineno}: imports {what}, which stage {chapter:02d} lacks")
+    return errors
+
+
+def _imports(node: ast.AST, rel: str) -> list[tuple[str, str | None]]:
+    """(module, name) pairs of an import statement, relative imports resolved against `rel`."""
+    if isinstance(node, ast.Import):
+        return [(a.name, None) for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    module = node.module or ""
+    if node.level:
+        module = ".".join(rel.removesuffix(".py").split("/")[:-node.level] + [module] * bool(module))
+    return [(module, a.name) for a in node.names]
+
+
+def _missing(stage: Path, module: str, name: str | None) -> str | None:
+    where = module_file(stage, module)
+    if where is None:
+        return f"module {module}"
+    if name in (None, "*") or module_file(stage, f"{module}.{name}"):
+        return None
+    names = top_level_names(where) if where.is_file() else set()
+    return None if names is None or name in names else f"{name} from {module}"
+
+
+def tail(result: subprocess.CompletedProcess, lines: int = 25) -> str:
+    return "\n".join(((result.stdout or "") + (result.stderr or "")).rstrip().splitlines()[-lines:])
+
+
+# ---------------------------------------------------------------- snippets
+
+def snippet_source(stage: Path, ref: str) -> list[str]:
+    """The lines that `path`, `path::Name` or `path::Class.method` names in a stage: exact source,
+    decorators included, methods dedented."""
+    rel, _, name = ref.partition("::")
+    if not (Path(stage) / rel).is_file():
+        raise MarkerError(f"{rel} is not in the stage")
+    lines = (Path(stage) / rel).read_text().splitlines()
+    if not name:
+        return lines
+    body: list[ast.stmt] = ast.parse("\n".join(lines)).body
+    for part in name.split("."):
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        node = next((n for n in body if isinstance(n, defs) and n.name == part), None)
+        if node is None:
+            raise MarkerError(f"{rel} has no {name} in the stage")
+        body = node.body
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return textwrap.dedent("\n".join(lines[start - 1:node.end_lineno])).splitlines()
+
+
+def check_markdown(md: Path, stage: Path, rel: str) -> tuple[list[str], str]:
+    """Compare every snippet block of one chapter with its stage; returns (errors, repaired text)."""
+    lines, errors, out, i = md.read_text().splitlines(), [], [], 0
+    while i < len(lines):
+        out.append(lines[i])
+        m, i = SNIPPET.match(lines[i]), i + 1
+        if not m:
+            continue
+        where = f"{rel}:{i}: snippet {m['ref']}"
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
+        if end is None or not re.match(r"```(python|py)\s*$", lines[i]):
+            errors.append(f"{where}: must be followed at once by a complete ```python block")
+            continue
+        shown = lines[i + 1:end]
+        try:
+            source = snippet_source(stage, m["ref"])
+        except (MarkerError, SyntaxError) as e:
+            errors.append(f"{where}: {e}")
+            source = shown
+        if shown != source:
+            diff = list(difflib.unified_diff(shown, source, "chapter", "stage", lineterm="", n=1))
+            errors.append(f"{where}: drifted from the stage's source\n" + "\n".join(diff[2:14]))
+        out += [lines[i], *source]
+        i = end
+    return errors, "\n".join(out) + "\n"
+
+
+def chapter_markdowns(book: Book) -> list[tuple[str, int]]:
+    """chapters/NN-*.md with their chapter numbers."""
+    return [(rel, n) for rel, n in book.files.items()
+            if rel.startswith("chapters/") and NAMED["chapters"].match(rel.rsplit("/", 1)[-1])]
+
+
+# ---------------------------------------------------------------- output
+
+try:  # rich only colours the output; the text is the same without it
+    from rich.console import Console
+    from rich.text import Text
+    _console: Console | None = Console(highlight=False, soft_wrap=True)
+except ImportError:
+    _console = None
+
+
+def say(text: str, style: str | None = None) -> None:
+    if _console is None:
+        print(text, flush=True)
+    else:
+        _console.print(Text(text, style=style or ""))
+
+
+class Report:
+    """One line per check as it finishes; the closing line counts them."""
+
+    def __init__(self) -> None:
+        self.passed = self.failed = 0
+
+    def add(self, name: str, ok: bool, detail: str = "") -> None:
+        self.passed, self.failed = self.passed + ok, self.failed + (not ok)
+        summary = detail.partition("\n")[0] if ok else ""
+        say(f"{name:<28} {'pass' if ok else 'FAIL'}  {summary}".rstrip(), "green" if ok else "bold red")
+        if detail and not ok:
+            say(textwrap.indent(detail, "    | "), "red")
+
+    def close(self) -> int:
+        print(f"{self.passed} passed, {self.failed} failed", flush=True)
+        return 1 if self.failed else 0
+
+
+# ---------------------------------------------------------------- check
+
+def cmd_check(root: Path, chapters: str | None, proofs: bool, timeout: float) -> int:
+    report = Report()
+    try:
+        book = load_book(root)
+    except MarkerError as e:
+        report.add("markers", False, str(e))
+        return report.close()
+    count = sum(len(list(blocks(s.nodes))) for s in book.sources.values())
+    report.add("markers", True, f"{len(book.sources)} files, {count} blocks")
+    with tempfile.TemporaryDirectory(prefix="steps-check-") as tmp:
+        stages = {n: check_stage(book, n, Path(tmp), report, proofs, timeout)
+                  for n in parse_chapters(chapters, book.registry.numbers)}
+        for rel, n in chapter_markdowns(book):
+            if n in stages:
+                errors, _ = check_markdown(book.root / rel, stages[n], rel)
+                report.add(f"snippets ch{n:02d}", not errors, "\n".join(errors))
+    if (book.root / "tests" / "tools").is_dir():
+        r = _run([sys.executable, "-m", "pytest", "tests/tools", "-q", "-p", "no:cacheprovider"], book.root)
+        report.add("tools tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
+    if (book.root / "practice" / "judge.py").is_file():
+        r = _run([sys.executable, "practice/judge.py", "--root", str(book.root), "check"], book.root)
+        report.add("judge", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
+    return report.close()
+
+
+def parse_chapters(spec: str | None, numbers: list[int]) -> list[int]:
+    """'1-3,5' -> the registry's chapters among 1, 2, 3, 5 (all of them when spec is empty)."""
+    wanted: set[int] = set()
+    for part in (spec or "").split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            wanted |= set(range(int(lo), int(hi or lo) + 1))
+    return [n for n in numbers if not spec or n in wanted]
+
+
+def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, timeout: float) -> Path:
+    """Build stage n, then check its imports, its cumulative tests, its example, its revert proofs."""
+    chapter, package = book.registry.chapter(n), book.registry.package
+    stage = _build(book, n, tmp / f"ch{n:02d}")
+    problems = package_error(stage, package) + stage_import_errors(stage, package, n)
+    report.add(f"stage {n:02d} build", not problems, "\n".join(problems))
+    r = run_pytest(stage, ["tests"], timeout=timeout * 4)
+    report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
+    if chapter.example is None:
+        report.add(f"stage {n:02d} example", False, "the registry names no example")
+    else:
+        r = _run([sys.executable, chapter.example], stage, stage_env(stage), timeout)
+        report.add(f"stage {n:02d} example", r.returncode == 0, "" if r.returncode == 0 else tail(r))
+    for fix in chapter.fixes if proofs else []:
+        problems = revert_proof(book, n, fix, stage, tmp, timeout)
+        report.add(f"proof {fix.name}", not problems, "\n".join(problems))
+    return stage
+
+
+def revert_proof(book: Book, n: int, fix: Fix, stage: Path, tmp: Path, timeout: float) -> list[str]:
+    """Each listed test passes in the stage and FAILS with the fix reverted (pytest exit 1: the tests
+    ran and broke; a reverted stage that cannot collect the test proves nothing)."""
+    reverted = _build(book, n, tmp / f"ch{n:02d}-revert-{fix.name}", revert=fix.name)
+    problems = []
+    for test in fix.tests:
+        good, bad = (run_pytest(s, [test], timeout=timeout) for s in (stage, reverted))
+        if good.returncode != 0:
+            problems.append(f"{test} does not pass with the fix in place:\n{tail(good, 10)}")
+        if bad.returncode != 1:
+            what = "passes" if bad.returncode == 0 else f"does not run (pytest exit {bad.returncode})"
+            problems.append(f"{test} {what} with fix '{fix.name}' reverted: it does not catch the bug"
+                            + f"\n{tail(bad, 10)}" * (bad.returncode != 0))
+    return problems
+
+
+# ---------------------------------------------------------------- build, diff, tree, snippets
+
+def two_stages(book: Book, n: int, tmp: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """The files of the stage before n (none before the first chapter) and of stage n."""
+    def read(stage: Path) -> dict[str, bytes]:
+        return {p.relative_to(stage).as_posix(): p.read_bytes() for p in stage.rglob("*") if p.is_file()}
+    earlier = [c for c in book.registry.numbers if c < n]
+    before = read(_build(book, earlier[-1], tmp / "before")) if earlier else {}
+    return before, read(_build(book, n, tmp / "after"))
+
+
+def as_text(data: bytes | None) -> str | None:
+    """A file's text ("" if absent), or None if it is binary."""
+    try:
+        return None if b"\0" in (data or b"") else (data or b"").decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def cmd_diff(book: Book, n: int) -> int:
+    with tempfile.TemporaryDirectory(prefix="steps-diff-") as tmp:
+        before, after = two_stages(book, n, Path(tmp))
+    styles = {"+++": "bold", "---": "bold", "+": "green", "-": "red", "@": "cyan"}
+    for rel in sorted(before.keys() | after.keys()):
+        a, b = before.get(rel), after.get(rel)
+        old, new = as_text(a), as_text(b)
+        if a == b:
+            continue
+        if old is None or new is None:
+            what = "added" if a is None else "removed" if b is None else "changed"
+            say(f"binary file {what}: {rel}", "bold")
+            continue
+        names = (f"a/{rel}" if a is not None else "/dev/null", f"b/{rel}" if b is not None else "/dev/null")
+        for line in difflib.unified_diff(old.splitlines(), new.splitlines(), *names, lineterm=""):
+            say(line, styles.get(line[:3], styles.get(line[:1])))
+    return 0
+
+
+def cmd_tree(book: Book, n: int) -> int:
+    with tempfile.TemporaryDirectory(prefix="steps-tree-") as tmp:
+        before, after = two_stages(book, n, Path(tmp))
+    marks = {rel: "new" if rel not in before else "changed" if before[rel] != data else ""
+             for rel, data in after.items()}
+    counts = [sum(m == kind for m in marks.values()) for kind in ("new", "changed", "")]
+    say(f"stage {n:02d} ({book.registry.chapter(n).slug}): {counts[0]} new, {counts[1]} changed, "
+        f"{counts[2]} unchanged", "bold")
+    print_tree(marks, "", 0)
+    return 0
+
+
+def print_tree(marks: dict[str, str], prefix: str, depth: int) -> None:
+    """The files under `prefix` with their marks; a folder with nothing new or changed is one line."""
+    here = {rel[len(prefix):]: m for rel, m in marks.items() if rel.startswith(prefix)}
+    for folder in sorted({r.split("/")[0] for r in here if "/" in r}):
+        inside = [m for r, m in here.items() if r.startswith(folder + "/")]
+        if any(inside):
+            say(f"{'  ' * depth}{folder}/")
+            print_tree(marks, f"{prefix}{folder}/", depth + 1)
+        else:
+            say(f"{'  ' * depth}{folder}/ ({len(inside)} file{'s' * (len(inside) != 1)}, unchanged)", "dim")
+    for name in sorted(r for r in here if "/" not in r):
+        say(f"{'  ' * depth}{name:<{max(40 - 2 * depth, len(name) + 1)}} {here[name]}".rstrip(),
+            {"new": "green", "changed": "yellow"}.get(here[name]))
+
+
+def cmd_snippets(book: Book, write: bool) -> int:
+    count, wrong = 0, 0
+    with tempfile.TemporaryDirectory(prefix="steps-snippets-") as tmp:
+        for rel, n in chapter_markdowns(book):
+            stage, path = _build(book, n, Path(tmp) / f"ch{n:02d}"), book.root / rel
+            errors, fixed = check_markdown(path, stage, rel)
+            if write and fixed != path.read_text():
+                path.write_text(fixed)
+                say(f"rewrote {rel}", "yellow")
+                errors, _ = check_markdown(path, stage, rel)
+            count += sum(bool(SNIPPET.match(line)) for line in fixed.splitlines())
+            wrong += len(errors)
+            for error in errors:
+                say(error, "red")
+    print(f"{count} snippets, {wrong} wrong")
+    return 1 if wrong else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="steps.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--root", type=Path, default=ROOT, help="the book's root (default: this repository)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("build", "diff", "tree"):
+        sub.add_parser(name).add_argument("chapter", type=int)
+    check = sub.add_parser("check")
+    check.add_argument("--chapters", help="the stages to check, e.g. 1-3 or 2,5 (default: all)")
+    check.add_argument("--no-proofs", action="store_true", help="skip the revert proofs")
+    check.add_argument("--timeout", type=float, default=300, help="seconds per example or proof run")
+    sub.add_parser("snippets").add_argument("--write", action="store_true", help="rewrite the blocks")
+    for p in sub.choices.values():  # `--root` may also follow the command
+        p.add_argument("--root", type=Path, default=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    try:
+        if args.command == "check":
+            return cmd_check(root, args.chapters, not args.no_proofs, args.timeout)
+        if args.command == "build":
+            print(build_stage(root, args.chapter, root / "build" / "stages" / f"ch{args.chapter:02d}"))
+            return 0
+        book = load_book(root)
+        if args.command == "snippets":
+            return cmd_snippets(book, args.write)
+        return {"diff": cmd_diff, "tree": cmd_tree}[args.command](book, args.chapter)
+    except MarkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
