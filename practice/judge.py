@@ -185,8 +185,10 @@ def _head_of(node: str) -> str:
 
 
 def covers(node: str, target: str) -> bool:
-    """Whether a reported node (a test, or a file that failed to collect) belongs to a target."""
-    return node == target or node.startswith(target + "::") or target.startswith(node + "::")
+    """Whether a reported node (a test, one of its parametrized cases, or a file that failed to
+    collect) belongs to a target."""
+    return (node == target or node.startswith((target + "::", target + "["))
+            or target.startswith(node + "::"))
 
 
 def stub_line(stage: Path, rel: str, ex_id: str) -> int | None:

@@ -7,7 +7,7 @@ Every step is deterministic given the corpus (this interpreter's standard librar
 1. corpus: every .py file of the standard library and its tests (or of --corpus), in sorted order; one file in 50
    (by a hash of its path) is held out for evaluation;
 2. tokenizer: byte-level BPE (the `tokenizers` library) with 4096 tokens; `<|endoftext|>` ends a file;
-3. model: a Qwen3 decoder (minioverlap.model.qwen3) plus one MTP layer (minioverlap.model.mtp),
+3. model: a Qwen3 decoder (minioverlap.model.qwen3) plus one MTP layer (DeepSeek-V3 layout, below),
    trained jointly: loss = CE(next token) + mtp_weight * CE(token after next);
 4. export: config.json, generation_config.json, tokenizer.json, model.safetensors (bf16) and a model
    card (README.md) with the corpus, seed, steps, losses, a sample and the MTP accept length.
@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minioverlap.model.mtp import MTPLayer  # noqa: E402
-from minioverlap.model.qwen3 import Qwen3Config, Qwen3ForCausalLM, rope_cos_sin  # noqa: E402
+from minioverlap.model.qwen3 import (AttentionContext, DecoderLayer, Qwen3Config, Qwen3ForCausalLM,  # noqa: E402
+                                     RMSNorm, rope_cos_sin)
 
 EOS = "<|endoftext|>"
 SAMPLE_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\ndef list_files(path):",
@@ -48,6 +49,8 @@ def corpus_files(root: Path) -> tuple[list[Path], list[Path]]:
             continue
         digest = hashlib.sha256("/".join(parts).encode()).digest()
         (held_out if digest[0] % 50 == 0 else train).append(path)
+    if not held_out:                  # a small corpus: hold out its last file
+        held_out.append(train.pop())
     return train, held_out
 
 
@@ -74,6 +77,36 @@ def encode(tok: Tokenizer, files: list[Path]) -> torch.Tensor:
         ids.extend(encoding.ids)
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
+
+
+# The MTP layer, DeepSeek-V3 layout (DeepSeek-V3 technical report, section 2.2). One extra decoder layer
+# predicts the token after next: for position i it mixes the main model's final hidden state h[i] with
+# the embedding of token i+1, runs a decoder layer with its own attention, and scores with the shared
+# head. Chapter 09 serves it; this is the definition it is trained with.
+
+class SharedHead(nn.Module):
+    """Holds only the norm: the head's matrix is the main model's lm_head."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """A decoder layer with an input mixer (enorm, hnorm, eh_proj) and an output norm."""
+
+    def __init__(self, config: Qwen3Config, layer_id: int) -> None:
+        super().__init__(config, layer_id)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        """embeds of tokens i+1 and main hidden states of tokens i, [T, H] each -> MTP hidden [T, H]."""
+        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        return self.shared_head.norm(super().forward(x, cos, sin, ctx))
 
 
 class CausalBatch:
@@ -264,6 +297,8 @@ The MTP layer mixes `enorm(embed(token i+1))` and `hnorm(h_i)` (in that order), 
 model's final hidden state after its last norm, and sits at position i+1. transformers loads the main
 model with `AutoModelForCausalLM.from_pretrained` (it reports the MTP tensors as unused).
 
+Made with `python tools/make_model.py {facts['command']}` ({facts['python']}, torch {torch.__version__}).
+
 ## A greedy sample
 
 Prompt `def fibonacci(n):`, 64 tokens:
@@ -336,7 +371,7 @@ def main() -> None:
     facts = dict(log=log, seconds=seconds, held_main=held_main, held_mtp=held_mtp, accept=accept, sample=sample,
                  params_main=n_main, params_mtp=sum(p.numel() for p in net.mtp.parameters()),
                  train_files=len(train_files), held_files=len(held_files), train_tokens=len(train_data),
-                 held_tokens=len(held_data),
+                 held_tokens=len(held_data), command=" ".join(sys.argv[1:]), python=f"Python {platform.python_version()}",
                  device_name=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU")
     (args.out / "README.md").write_text(model_card(args, facts))
 
