@@ -22,6 +22,7 @@ print(PROMPT + out.text)
 print(f"finish_reason: {out.finish_reason}")
 
 logging.set_verbosity_error()            # transformers reports the MTP layer's tensors as unused
+logging.disable_progress_bar()
 hf = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32)
 ref = hf.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
                   eos_token_id=list(llm.config.eos_token_ids), pad_token_id=0)[0, len(out.prompt_token_ids):].tolist()

@@ -37,6 +37,7 @@ def _hf_model(path: str):
 
     if path not in _HF_CACHE:
         logging.set_verbosity_error()   # the tiny checkpoint's MTP tensors are reported as unused
+        logging.disable_progress_bar()
         _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return _HF_CACHE[path]
 

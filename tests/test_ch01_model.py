@@ -224,3 +224,15 @@ def test_bad_sampling_params_are_refused(kwargs, message):
 def test_bad_engine_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(model="tiny", **kwargs)
+
+
+def test_tied_head_written_anyway_must_equal_the_embedding(tmp_path):
+    """A tied config whose file also holds lm_head.weight loads only if that tensor equals the embedding."""
+    path = random_checkpoint(tmp_path / "m", tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    save_file(tensors | {"lm_head.weight": embed.clone()}, path / "model.safetensors")
+    assert LLM(model=str(path)).generate([[3, 4]], SamplingParams(max_tokens=2))[0].token_ids
+    save_file(tensors | {"lm_head.weight": embed + 1}, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+        LLM(model=str(path))

@@ -143,7 +143,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device) 
     if missing:
         raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} with shape {list(expected[missing[0]])} is missing"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if config.tie_word_embeddings and "lm_head.weight" in files:     # some exporters write the tied head anyway
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
     tensors = read_tensors(files, list(expected))
+    if "lm_head.weight" in tensors and config.tie_word_embeddings:
+        if not torch.equal(tensors.pop("lm_head.weight"), tensors["model.embed_tokens.weight"]):
+            raise CheckpointError(f"{files['lm_head.weight']}: config.json ties the head to the embedding, "
+                                  "but tensor 'lm_head.weight' differs from 'model.embed_tokens.weight'")
+        del expected["lm_head.weight"]
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, "
