@@ -1,4 +1,4 @@
-"""The command line: `minioverlap generate PROMPT`."""
+"""The command line: `minioverlap generate PROMPT` and, from chapter 04, `minioverlap trace`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from rich.console import Console
+# >>> ch04: the event trace
+from rich.table import Table
+# <<< ch04
 
 from minioverlap.llm import LLM
 from minioverlap.sampling_params import SamplingParams
@@ -13,24 +16,54 @@ from minioverlap.sampling_params import SamplingParams
 
 def generate(args: argparse.Namespace, console: Console) -> None:
     llm = LLM(model=args.model, device=args.device)
-    out = llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens))[0]
+    params = SamplingParams(max_tokens=args.max_tokens)
     console.print(args.prompt, style="bold", end="", markup=False, highlight=False)
-    console.print(out.text, markup=False, highlight=False)
-    console.print(f"[dim]({len(out.token_ids)} tokens, finish_reason={out.finish_reason})[/dim]")
+    # >>> ch04 replaces ch01: stream the tokens as the scheduler handles them
+    #| out = llm.generate(args.prompt, params)[0]
+    #| console.print(out.text, markup=False, highlight=False)
+    #| tokens, reason = out.token_ids, out.finish_reason
+    tokens: list[int] = []
+    for reply in llm.stream(args.prompt, params):
+        text = llm.decode(tokens + reply.token_ids)[len(llm.decode(tokens)):]
+        tokens, reason = tokens + reply.token_ids, reply.finish_reason
+        console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+    console.print()
+    # <<< ch04
+    console.print(f"[dim]({len(tokens)} tokens, finish_reason={reason})[/dim]")
+# >>> ch04: the event trace
+
+
+def trace(args: argparse.Namespace, console: Console) -> None:
+    """Run one request and print the loop's events, with host times."""
+    llm = LLM(model=args.model, device=args.device)
+    llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    table = Table("step", "event", "requests", "t (us)", "+ (us)", title="the normal loop's events")
+    t0 = prev = llm.trace[0].t_ns
+    for e in llm.trace:
+        table.add_row(str(e.step), e.kind, ",".join(map(str, e.uids)), f"{(e.t_ns - t0) / 1e3:.0f}", f"{(e.t_ns - prev) / 1e3:.0f}")
+        prev = e.t_ns
+    console.print(table)
+    console.print("order: " + ", ".join(llm.trace.order()))
+# <<< ch04
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minioverlap", description="A small LLM engine that teaches overlap scheduling.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete a prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default="tiny", help="'tiny' (shipped) or a local HF-format Qwen3 directory")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    commands = {"generate": (generate, "complete a prompt", 64)}
+    # >>> ch04: the event trace
+    commands["trace"] = (trace, "run a prompt and print the scheduler's events", 3)
+    # <<< ch04
+    for name, (_, help_text, max_tokens) in commands.items():
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("prompt", nargs="?" if name != "generate" else None, default="def fibonacci(n):")
+        cmd.add_argument("--model", default="tiny", help="'tiny' (shipped) or a local HF-format Qwen3 directory")
+        cmd.add_argument("--device", default="cpu")
+        cmd.add_argument("--max-tokens", type=int, default=max_tokens)
     args = parser.parse_args(argv)
     console = Console()
     try:
-        generate(args, console)
+        commands[args.command][0](args, console)
     except ValueError as err:
         console.print(f"[red]error:[/red] {err}", markup=True, highlight=False)
         sys.exit(2)

@@ -1,18 +1,35 @@
-"""The face of the engine: `LLM(...)` and `llm.generate(prompts, params)`.
+"""The face of the engine: `LLM(...)`, `llm.generate(prompts, params)` and, from chapter 04,
+`llm.stream`, `llm.abort` and `llm.check_integrity`.
 
-In chapter 01 the engine serves one prompt at a time with a contiguous cache. The batching engine of
-chapters 02-04 keeps these names; only what happens behind `generate` changes.
+The names stay the same from chapter 01 on; what serves them changes: one prompt at a time with a
+contiguous cache (01), on the paged cache (02), one batch for all prompts (03), the scheduler's loop (04).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from minioverlap.engine.contiguous import greedy_generate
+# >>> ch02 replaces ch01: the paged cache
+#| from minioverlap.engine.contiguous import greedy_generate
+# >>> ch03 replaces ch02: one batch for many requests
+#| from minioverlap.engine.model_runner import ModelRunner, paged_greedy_generate
+# >>> ch04 replaces ch03: the scheduler
+#| from minioverlap.engine.batch_generate import generate_batch
+#| from minioverlap.engine.model_runner import ModelRunner
+from minioverlap.engine.model_runner import ModelRunner
+# <<< ch04
+# <<< ch03
+# <<< ch02
+from minioverlap.engine.request import Req
 from minioverlap.model.loader import DTYPES, checkpoint_dtype, load_model, load_tokenizer, resolve_model_dir
 from minioverlap.sampling_params import SamplingParams
+# >>> ch04: the scheduler
+from minioverlap.device.trace import Trace
+from minioverlap.scheduler.scheduler import Reply, Scheduler
+# <<< ch04
 
 Prompt = str | list[int]
 
@@ -21,16 +38,23 @@ Prompt = str | list[int]
 class RequestOutput:
     uid: int                           # the request's id, in the order the prompts were given
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)   # the generated tokens (EOS included if hit)
-    text: str = ""                     # the generated tokens decoded (special tokens skipped)
-    finish_reason: str | None = None   # "stop" (EOS), "length" (max_tokens or the context limit)
+    token_ids: list[int]               # the generated tokens (EOS included if hit)
+    text: str                          # the generated tokens decoded (special tokens skipped)
+    finish_reason: str | None          # "stop" (EOS or a stop token), "length" (max_tokens or the context), "abort"
 
 
 class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
 
     def __init__(self, model: str = "tiny", device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 max_seq_len: int | None = None) -> None:
+                 max_seq_len: int | None = None,
+                 # >>> ch02: the paged cache
+                 page_size: int = 16, num_pages: int | None = None,
+                 # <<< ch02
+                 # >>> ch03: batching
+                 max_running: int = 16,
+                 # <<< ch03
+                 ) -> None:
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(device)
         self.dtype = _resolve_dtype(dtype, self.device, self.model_dir)
@@ -41,6 +65,22 @@ class LLM:
         if max_seq_len is not None and not (isinstance(max_seq_len, int) and 2 <= max_seq_len <= limit):
             raise ValueError(f"max_seq_len must be an integer in [2, {limit}] (the model's context), got {max_seq_len!r}")
         self.max_seq_len = max_seq_len or limit
+        self.next_uid = 0
+        # >>> ch02: the paged cache
+        # >>> ch03 replaces ch02: many request slots
+        #| self.max_running = 1
+        self.max_running = _check_int("max_running", max_running, 1)
+        # <<< ch03
+        page_size = _check_int("page_size", page_size, 1)
+        pages_per_seq = -(-self.max_seq_len // page_size)
+        num_pages = self.max_running * pages_per_seq + 1 if num_pages is None else num_pages
+        _check_int("num_pages", num_pages, 2)
+        self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=page_size,
+                                  max_running=self.max_running, max_seq_len=self.max_seq_len)
+        # <<< ch02
+        # >>> ch04: the scheduler
+        self.scheduler = Scheduler(self.runner)
+        # <<< ch04
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> token ids, checked against the vocabulary and the context."""
@@ -63,23 +103,92 @@ class LLM:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Greedy completions, one prompt after another. Every prompt is checked before any runs."""
-        params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        encoded = [self.encode(p) for p in prompts]
-        return [self._generate_one(uid, ids, params) for uid, ids in enumerate(encoded)]
+    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+        """A checked request with its stop rules: EOS unless ignore_eos, max_tokens, the context limit."""
+        ids = self.encode(prompt)
+        stop = set() if params.ignore_eos else set(self.config.eos_token_ids)
+        # >>> ch04: stop tokens
+        bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]!r}, outside the vocabulary [0, {self.config.vocab_size})")
+        stop |= set(params.stop_token_ids)
+        # <<< ch04
+        return Req(-1, ids, params, min(params.max_tokens, self.max_seq_len - len(ids)), frozenset(stop))
 
-    def _generate_one(self, uid: int, prompt: list[int], params: SamplingParams) -> RequestOutput:
-        room = self.max_seq_len - len(prompt)           # the context limit is a stop rule too
-        eos = () if params.ignore_eos else self.config.eos_token_ids
-        tokens = greedy_generate(self.model, prompt, min(params.max_tokens, room), eos)
-        reason = "stop" if tokens[-1] in eos else "length"
-        return RequestOutput(uid, prompt, tokens, self.decode(tokens), reason)
+    def make_requests(self, prompts: Prompt | list[Prompt], params: SamplingParams | None) -> list[Req]:
+        """Check every prompt first; only if all pass do they get their uids."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")
+        reqs = [self.make_request(p, params) for p in prompts]
+        for req in reqs:
+            req.uid, self.next_uid = self.next_uid, self.next_uid + 1
+        return reqs
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Complete every prompt. Every prompt is checked before any runs."""
+        reqs = self.make_requests(prompts, params)
+        # >>> ch02 replaces ch01: the paged cache
+        #| for req in reqs:
+        #|     req.output_ids = greedy_generate(self.model, req.prompt_ids, req.max_new_tokens, tuple(req.stop_ids))
+        # >>> ch03 replaces ch02: one batch for many requests
+        #| for req in reqs:
+        #|     req.output_ids = paged_greedy_generate(self.runner, req.prompt_ids, req.max_new_tokens, tuple(req.stop_ids))
+        # >>> ch04 replaces ch03: the scheduler's loop, which admits requests as room frees up
+        #| for start in range(0, len(reqs), self.max_running):
+        #|     generate_batch(self.runner, reqs[start:start + self.max_running])
+        for _ in self._serve(reqs):
+            pass
+        # <<< ch04
+        # <<< ch03
+        # <<< ch02
+        return [RequestOutput(r.uid, r.prompt_ids, r.output_ids, self.decode(r.output_ids), r.finish_reason)
+                for r in reqs]
+    # >>> ch04: the scheduler
+
+    def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> Iterator[Reply]:
+        """Yield replies as the scheduler handles them: r.uid, r.token_ids (the new ones), r.finished.
+        The prompts are checked before the first reply (ValueError on a bad one)."""
+        return self._serve(self.make_requests(prompts, params))
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Add one request to a run in progress (a `stream` being consumed); returns its uid.
+        A bad request raises ValueError here and changes nothing."""
+        [req] = self.make_requests([prompt], params)
+        self.scheduler.add_request(req)
+        return req.uid
+
+    def abort(self, uid: int) -> None:
+        """Stop a request: it frees its pages and slot, and its last reply has finish_reason 'abort'."""
+        self.scheduler.abort(uid)
+
+    def _serve(self, reqs: list[Req]) -> Iterator[Reply]:
+        for req in reqs:
+            self.scheduler.add_request(req)
+        self.scheduler.start_run()
+        while self.scheduler.busy:
+            yield from self.scheduler.normal_loop()
+
+    @property
+    def trace(self) -> Trace:
+        """The event list of the last run."""
+        return self.scheduler.trace
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless every page and request slot is free or owned exactly once."""
+        self.scheduler.check_integrity()
+    # <<< ch04
 
     def shutdown(self) -> None:
-        """Nothing to stop in chapter 01; the batching engine stops its loop here."""
+        """Nothing to stop: the engine runs in the caller's thread, step by step."""
+
+
+def _check_int(name: str, value: int, minimum: int) -> int:
+    if not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def _check_device(device: str) -> str:

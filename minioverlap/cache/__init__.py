@@ -1,0 +1,1 @@
+# >>> ch02 file: the paged KV cache

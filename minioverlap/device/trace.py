@@ -1,0 +1,41 @@
+# >>> ch04 file: the event trace
+"""The event trace: what the scheduler did, step by step, in the order it happened.
+
+For each step N both loops record, each as its phase ends: `schedule` (the batch is chosen), `launch`
+(its work is queued), `wait` (the step's result has reached the host), `process` (the result is
+handled: tokens appended, stop rules, frees) and `reply` (the handled tokens went to the clients).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+KINDS = ("schedule", "launch", "wait", "process", "reply")
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    kind: str                  # one of KINDS
+    step: int                  # N, counting from 1 in each run
+    t_ns: int                  # host time.perf_counter_ns() when it happened
+    uids: tuple[int, ...]      # the requests of the step's batch (of the replies, for `reply`)
+
+
+class Trace(list):
+    """A list of TraceEvents, oldest first."""
+
+    def record(self, kind: str, step: int, uids: tuple[int, ...] | list[int]) -> None:
+        self.append(TraceEvent(kind, step, time.perf_counter_ns(), tuple(uids)))
+
+    def order(self, kinds: tuple[str, ...] = ("launch", "process")) -> list[str]:
+        """The events of the given kinds as 'launch 1', 'handle 1', ... ('process' reads as 'handle')."""
+        return [f"{'handle' if e.kind == 'process' else e.kind} {e.step}" for e in self if e.kind in kinds]
+
+    def phase_times_us(self) -> dict[str, float]:
+        """Mean host time of each phase, in microseconds. An event is recorded as its phase ends, so a
+        phase lasts from the event before it: 'launch' is the time to queue the step (on a CPU, to run it)."""
+        spans: dict[str, list[int]] = {}
+        for a, b in zip(self, self[1:]):
+            spans.setdefault(b.kind, []).append(b.t_ns - a.t_ns)
+        return {kind: sum(v) / len(v) / 1e3 for kind, v in spans.items()}

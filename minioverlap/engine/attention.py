@@ -1,0 +1,61 @@
+# >>> ch02 file: attention through the page table
+"""PagedAttention: the attention context of a ForwardBatch.
+
+Each layer writes this step's K and V into the KV pool at `out_cache_loc`, then reads every K and V
+of each request through its row of req_to_token:
+
+    EXTEND (ragged prefill): one request at a time, its new queries against its whole sequence;
+    DECODE (batched): all requests at once, one query each, against K/V gathered into [B, L] and
+                      padded to the longest sequence; positions past a request's length are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minioverlap.cache.kv_pool import KVPool
+from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+from minioverlap.model.qwen3 import attention
+
+
+class PagedAttention:
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, batch: ForwardBatch) -> None:
+        self.kv_pool, self.req_to_token, self.batch = kv_pool, req_to_token, batch
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.kv_pool.store(layer_id, self.batch.out_cache_loc, k, v)
+        if self.batch.mode is ForwardMode.DECODE:
+            b = self.batch
+            return decode_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.req_to_token,
+                                    b.req_pool_indices, b.seq_lens, b.max_seq_len)
+        return self.extend_attention(layer_id, q)
+
+    def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, read through its row."""
+        b, out, start = self.batch, [], 0
+        for row, prefix, n in zip(b.rows, b.prefix_lens, b.extend_lens):
+            loc = self.req_to_token[row, :prefix + n]
+            k, v = self.kv_pool.k[layer_id][loc], self.kv_pool.v[layer_id][loc]
+            out.append(attention(q[start:start + n], k, v, q_start=prefix))
+            start += n
+        return torch.cat(out)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, L: int) -> torch.Tensor:
+    """One query per request, q [B, Hq, D], against its K/V read through req_to_token -> [B, Hq, D].
+
+    L >= every seq_len: how many positions of each row to read (known on the host, no device read).
+    """
+    # >>> exercise 02.1: batched decode attention
+    B, Hq, D = q.shape
+    loc = req_to_token[rows, :L]                                  # [B, L] KV slots (stale past seq_len)
+    k, v = k_pool[loc], v_pool[loc]                               # [B, L, Hkv, D]
+    group = Hq // k.shape[2]
+    qg = q.view(B, k.shape[2], group, D)                          # query heads grouped by their KV head
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * D ** -0.5
+    past_end = torch.arange(L, device=q.device)[None, :] >= seq_lens[:, None]          # [B, L]
+    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(q.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(B, Hq, D)
+    # <<< exercise 02.1

@@ -1,0 +1,50 @@
+"""A request: its prompt, how it wants its tokens, what it has received, and when it is done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# >>> ch03: per-request sampling
+import torch
+# <<< ch03
+
+from minioverlap.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int                 # max_tokens, or fewer where the context ends first
+    stop_ids: frozenset[int] = frozenset()   # tokens that end it (EOS unless ignore_eos)
+    output_ids: list[int] = field(default_factory=list)   # generated tokens the host has received
+    # >>> ch02: its place in the paged cache
+    row: int = 0                        # request slot: its row in req_to_token (0: none)
+    pages: list[int] = field(default_factory=list)   # the pages holding its K/V, in order
+    seq_len: int = 0                    # tokens whose K/V are in the cache once the launched steps run
+    # <<< ch02
+    # >>> ch03: per-request sampling
+    generator: torch.Generator | None = None   # its own random stream when params.seed is set
+    # <<< ch03
+    # >>> ch04: abort
+    aborted: bool = False
+    # <<< ch04
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        # >>> ch04: abort
+        if self.aborted:
+            return "abort"
+        # <<< ch04
+        if self.output_ids and self.output_ids[-1] in self.stop_ids:
+            return "stop"
+        return "length" if len(self.output_ids) >= self.max_new_tokens else None

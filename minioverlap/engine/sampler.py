@@ -1,0 +1,48 @@
+# >>> ch03 file: per-request sampling
+"""The sampler: one next token per request, each by its own parameters.
+
+Greedy rows take the argmax. The others divide their logits by the temperature, keep the top-k and
+then the top-p of the distribution, and draw from it with the request's own generator when it has a
+seed. A seeded request thus draws the same tokens whatever else is in its batch: its random stream
+advances once per token it samples, never for another request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minioverlap.engine.request import Req
+
+
+def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """logits [B, vocab] (fp32) -> next tokens [B] (int64, on the logits' device)."""
+    tokens = logits.argmax(dim=-1)
+    for i, req in enumerate(reqs):
+        if req.params.temperature > 0:
+            tokens[i] = sample_one(logits[i], req)
+    return tokens
+
+
+def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then one draw from what is left."""
+    p = req.params
+    # >>> exercise 03.1: top-k and top-p sampling
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if p.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs        # probability mass ranked above each token
+        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)   # the top token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=req.generator)[0]
+    # <<< exercise 03.1
+
+
+def make_generator(req: Req, device: torch.device) -> torch.Generator | None:
+    """A generator of the request's own, seeded, or None to use torch's global one."""
+    if req.params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(req.params.seed)

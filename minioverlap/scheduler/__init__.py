@@ -1,0 +1,1 @@
+# >>> ch04 file: the scheduler

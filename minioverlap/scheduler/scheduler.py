@@ -1,0 +1,202 @@
+# >>> ch04 file: the scheduler
+"""The scheduler: the loop that turns requests into steps and steps into replies.
+
+One iteration of the normal loop does five things, in this order:
+
+    receive   take new requests and aborts from the inbox
+    schedule  choose the next batch: admit waiting requests (a prefill step) or decode the running ones
+    launch    queue the step's work: forward, sample, copy the tokens back to the host
+    wait      block until the copy is done (on a GPU: the copy-done event)
+    process   append each token, apply the stop rules, free what finished, reply to the clients
+
+Admission is what keeps it from crashing when the cache is full: a request is admitted only when a
+request slot is free and the free pages cover everything it may still need, counting what the
+running requests may still need. Otherwise it waits in the queue; nothing is lost, nothing fails.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from minioverlap.device.trace import Trace
+from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+from minioverlap.engine.model_runner import ModelRunner
+from minioverlap.engine.request import Req
+from minioverlap.engine.sampler import sample
+
+
+@dataclass
+class Reply:
+    """What a streaming client receives after a step: its new tokens, and whether it is done."""
+    uid: int
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class StepOutput:
+    """A launched step. It keeps its tensors alive until the step is handled."""
+    step: int
+    batch: ForwardBatch
+    next_tokens: torch.Tensor            # [B] on the device
+    next_tokens_cpu: torch.Tensor        # [B] on the host, valid once copy_done has completed
+    copy_done: torch.cuda.Event | None   # None on CPU, where the copy is done when it returns
+
+
+class IntegrityError(RuntimeError):
+    """A page, KV slot or request slot that is lost, or owned twice."""
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.inbox: deque[tuple[str, Req | int]] = deque()   # ("add", req) or ("abort", uid)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.trace = Trace()
+        self.step = 0
+
+    # ---- the client's side: messages into the inbox
+    def add_request(self, req: Req) -> None:
+        pages = self.runner.allocator.pages_for(len(req.prompt_ids) + req.max_new_tokens)
+        if pages > self.runner.allocator.num_pages - 1:
+            raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens need {pages} "
+                             f"pages; the pool has {self.runner.allocator.num_pages - 1}")
+        self.inbox.append(("add", req))
+
+    def abort(self, uid: int) -> None:
+        self.inbox.append(("abort", uid))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inbox or self.waiting or self.running)
+
+    def start_run(self) -> None:
+        self.trace, self.step = Trace(), 0
+
+    # ---- the loop
+    def normal_loop(self) -> list[Reply]:
+        """One iteration: receive, schedule, launch, wait, process."""
+        replies = self.receive()
+        batch = self.schedule()
+        if batch is None:
+            return replies
+        out = self.launch(batch)
+        self.wait(out)
+        return replies + self.process(out)
+
+    def receive(self) -> list[Reply]:
+        replies = []
+        while self.inbox:
+            kind, item = self.inbox.popleft()
+            if kind == "add":
+                self.waiting.append(item)
+            elif (req := self.find(item)) is not None:
+                replies.append(self.abort_now(req))
+        return replies
+
+    def schedule(self) -> ForwardBatch | None:
+        """Prefill newly admitted requests if any fit, else decode every running request."""
+        new = self.admit()
+        mode, reqs = (ForwardMode.EXTEND, new) if new else (ForwardMode.DECODE, list(self.running))
+        if not reqs:
+            return None
+        self.step += 1
+        batch = self.runner.batch(mode, reqs)
+        self.trace.record("schedule", self.step, [r.uid for r in reqs])
+        return batch
+
+    def launch(self, batch: ForwardBatch) -> StepOutput:
+        next_tokens = sample(self.runner.forward(batch), batch.reqs)
+        cpu, copy_done = copy_to_host(next_tokens)
+        self.trace.record("launch", self.step, [r.uid for r in batch.reqs])
+        return StepOutput(self.step, batch, next_tokens, cpu, copy_done)
+
+    def wait(self, out: StepOutput) -> None:
+        if out.copy_done is not None:
+            out.copy_done.synchronize()           # the one place the host waits for the device
+        self.trace.record("wait", out.step, [r.uid for r in out.batch.reqs])
+
+    def process(self, out: StepOutput) -> list[Reply]:
+        """Append each request's token, apply the stop rules, free what finished, and reply."""
+        replies = []
+        for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist()):
+            req.output_ids.append(token)
+            self.runner.tables.write_tokens(req.row, req.seq_len, [token])   # the next step's input
+            if req.finished:
+                self.free(req)
+            replies.append(Reply(req.uid, [token], req.finished, req.finish_reason))
+        self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
+        self.trace.record("reply", out.step, [r.uid for r in replies])
+        return replies
+
+    # ---- admission, abort, frees
+    def admit(self) -> list[Req]:
+        """Admit waiting requests, in order, while a slot is free and the pages cover them."""
+        new = []
+        while self.waiting and self.fits(self.waiting[0]):
+            req = self.waiting.popleft()
+            self.runner.admit(req)
+            self.running.append(req)
+            new.append(req)
+        return new
+
+    def fits(self, req: Req) -> bool:
+        alloc = self.runner.allocator
+        promised = sum(self.pages_needed(r) - len(r.pages) for r in self.running)
+        return self.runner.tables.num_free > 0 and alloc.num_free - promised >= self.pages_needed(req)
+
+    def pages_needed(self, req: Req) -> int:
+        """Pages for everything the request may hold: its prompt and all but its last new token."""
+        return self.runner.allocator.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1)
+
+    def find(self, uid: int) -> Req | None:
+        return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
+
+    def abort_now(self, req: Req) -> Reply:
+        req.aborted = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self.free(req)
+        return Reply(req.uid, [], True, "abort")
+
+    def free(self, req: Req) -> None:
+        self.running.remove(req)
+        self.runner.release(req)
+
+    def check_integrity(self) -> None:
+        """Every page and request slot is free or owned by exactly one running request, and each
+        running request's req_to_token row points at its own pages."""
+        alloc, tables, problems = self.runner.allocator, self.runner.tables, []
+        owned_pages = [p for r in self.running for p in r.pages]
+        owned_rows = [r.row for r in self.running]
+        for what, owned, free, total in (("page", owned_pages, alloc.free_pages, alloc.num_pages),
+                                         ("request slot", owned_rows, tables.free_rows, len(tables.is_free))):
+            counts = {i: 0 for i in range(1, total)}
+            for i in [*owned, *free]:
+                counts[i] = counts.get(i, 0) + 1
+            problems += [f"{what} {i} is {'lost' if n == 0 else f'owned or free {n} times'}"
+                         for i, n in counts.items() if n != 1]
+        problems += [f"waiting request {r.uid} holds a slot or pages" for r in self.waiting if r.row or r.pages]
+        for r in self.running:
+            expected = alloc.kv_slots(r.pages, 0, r.seq_len)
+            if tables.req_to_token[r.row, :r.seq_len].tolist() != expected:
+                problems.append(f"request {r.uid}: req_to_token row {r.row} does not point at its pages")
+        if problems:
+            raise IntegrityError("; ".join(problems))
+
+
+def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying t to the host; on a GPU the copy runs behind the step and records an event."""
+    if t.device.type != "cuda":
+        return t, None
+    cpu = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    cpu.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return cpu, done
