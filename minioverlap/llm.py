@@ -32,6 +32,7 @@ from minioverlap.scheduler.scheduler import Reply, Scheduler
 # <<< ch04
 
 Prompt = str | list[int]
+Params = SamplingParams | list[SamplingParams] | None
 
 
 @dataclass
@@ -115,19 +116,22 @@ class LLM:
         # <<< ch04
         return Req(-1, ids, params, min(params.max_tokens, self.max_seq_len - len(ids)), frozenset(stop))
 
-    def make_requests(self, prompts: Prompt | list[Prompt], params: SamplingParams | None) -> list[Req]:
-        """Check every prompt first; only if all pass do they get their uids."""
-        params = params or SamplingParams()
+    def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
+        """Check every prompt first; only if all pass do they get their uids. `params` is one
+        SamplingParams for all prompts or a list of one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")
-        reqs = [self.make_request(p, params) for p in prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params is a list of {len(params)} SamplingParams for {len(prompts)} prompts")
+        reqs = [self.make_request(p, s) for p, s in zip(prompts, params)]
         for req in reqs:
             req.uid, self.next_uid = self.next_uid, self.next_uid + 1
         return reqs
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | list[Prompt], params: Params = None) -> list[RequestOutput]:
         """Complete every prompt. Every prompt is checked before any runs."""
         reqs = self.make_requests(prompts, params)
         # >>> ch02 replaces ch01: the paged cache
@@ -148,7 +152,7 @@ class LLM:
                 for r in reqs]
     # >>> ch04: the scheduler
 
-    def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> Iterator[Reply]:
+    def stream(self, prompts: Prompt | list[Prompt], params: Params = None) -> Iterator[Reply]:
         """Yield replies as the scheduler handles them: r.uid, r.token_ids (the new ones), r.finished.
         The prompts are checked before the first reply (ValueError on a bad one)."""
         return self._serve(self.make_requests(prompts, params))

@@ -198,13 +198,13 @@ def test_bad_prompts_are_refused(tiny, prompt, message):
         tiny.generate([prompt], SamplingParams(max_tokens=4))
 
 
-def test_one_bad_prompt_refuses_the_call_before_any_work(tiny, monkeypatch):
-    """Prompts are all checked first: a bad one in a list raises before any prompt runs."""
-    calls = []
-    monkeypatch.setattr(tiny, "_generate_one", lambda *a: calls.append(a))
+def test_one_bad_prompt_refuses_the_call_before_any_work(tiny):
+    """Prompts are all checked first: a bad one in a list raises, and no request is numbered or run."""
+    before = tiny.next_uid
     with pytest.raises(ValueError):
         tiny.generate([[1, 2], [99999]], SamplingParams(max_tokens=4))
-    assert calls == []
+    assert tiny.next_uid == before
+    assert tiny.generate([[1, 2]], SamplingParams(max_tokens=4))[0].uid == before
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -32,7 +32,7 @@ def test_paged_tokens_equal_contiguous_on_a_gqa_checkpoint(tmp_path, page_size):
     llm = LLM(model=str(random_checkpoint(tmp_path / "m", num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
               page_size=page_size)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-    runner = ModelRunner(llm.model, num_pages=20, page_size=page_size, max_running=1, max_seq_len=64)
+    runner = ModelRunner(llm.model, num_pages=40, page_size=page_size, max_running=1, max_seq_len=64)
     assert paged_greedy_generate(runner, prompt, 12) == greedy_generate(llm.model, prompt, 12)
 
 
