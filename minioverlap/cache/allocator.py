@@ -48,5 +48,7 @@ class PageAllocator:
 
     def kv_slots(self, pages: list[int], start: int, end: int) -> list[int]:
         """The KV slots of token positions start..end-1 of a sequence that owns `pages`, in order."""
+        # >>> exercise 02.2: token positions to KV slots
         size = self.page_size
         return [pages[pos // size] * size + pos % size for pos in range(start, end)]
+        # <<< exercise 02.2

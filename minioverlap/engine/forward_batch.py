@@ -79,7 +79,8 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     # >>> ch03 replaces ch02: the inputs are read from token_pool, on the device
-    #| input_ids = tensor([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.all_ids[start:start + n]])
+    #| input_ids = tensor([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
+    #|                     for t in (r.prompt_ids + r.output_ids)[start:start + n]])
     token_rows = tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)])
     input_ids = tables.token_pool[token_rows, tensor(positions)].long()
     # <<< ch03

@@ -32,10 +32,6 @@ class Req:
     # <<< ch04
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -125,11 +125,13 @@ class Scheduler:
         """Append each request's token, apply the stop rules, free what finished, and reply."""
         replies = []
         for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist()):
+            # >>> exercise 04.2: handle a step's result
             req.output_ids.append(token)
             self.runner.tables.write_tokens(req.row, req.seq_len, [token])   # the next step's input
             if req.finished:
                 self.free(req)
             replies.append(Reply(req.uid, [token], req.finished, req.finish_reason))
+            # <<< exercise 04.2
         self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
         self.trace.record("reply", out.step, [r.uid for r in replies])
         return replies
@@ -146,9 +148,13 @@ class Scheduler:
         return new
 
     def fits(self, req: Req) -> bool:
+        """Whether req can start now: a request slot is free, and the free pages not yet promised to
+        running requests cover every page req may need."""
+        # >>> exercise 04.1: admission
         alloc = self.runner.allocator
         promised = sum(self.pages_needed(r) - len(r.pages) for r in self.running)
         return self.runner.tables.num_free > 0 and alloc.num_free - promised >= self.pages_needed(req)
+        # <<< exercise 04.1
 
     def pages_needed(self, req: Req) -> int:
         """Pages for everything the request may hold: its prompt and all but its last new token."""
