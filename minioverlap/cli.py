@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import argparse
+# >>> ch06: a file for Perfetto
+import json
+# <<< ch06
 import sys
+# >>> ch06: a file for Perfetto
+from pathlib import Path
+# <<< ch06
 
 from rich.console import Console
 # >>> ch04: the event trace
 from rich.table import Table
 # <<< ch04
+# >>> ch06: side by side
+from rich.columns import Columns
+# <<< ch06
 
 from minioverlap.llm import LLM
 from minioverlap.sampling_params import SamplingParams
+# >>> ch04: the event trace
+from minioverlap.device.trace import Trace
+# <<< ch04
+# >>> ch06: a file for Perfetto
+from minioverlap.device.trace import chrome_trace
+# <<< ch06
 
 
 def generate(args: argparse.Namespace, console: Console) -> None:
@@ -35,15 +50,38 @@ def generate(args: argparse.Namespace, console: Console) -> None:
 
 def trace(args: argparse.Namespace, console: Console) -> None:
     """Run one request and print the loop's events, with host times."""
-    llm = LLM(model=args.model, device=args.device)
-    llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
-    table = Table("step", "event", "requests", "t (us)", "+ (us)", title="the normal loop's events")
-    t0 = prev = llm.trace[0].t_ns
-    for e in llm.trace:
-        table.add_row(str(e.step), e.kind, ",".join(map(str, e.uids)), f"{(e.t_ns - t0) / 1e3:.0f}", f"{(e.t_ns - prev) / 1e3:.0f}")
+    # >>> ch06 replaces ch04: either loop, or both side by side
+    #| traces = {"normal": run_traced(args)}
+    loops = ("normal", "overlap") if args.compare else (args.loop,)
+    traces = {loop: run_traced(args, overlap=loop == "overlap") for loop in loops}
+    # <<< ch06
+    tables = [event_table(loop, events) for loop, events in traces.items()]
+    # >>> ch06 replaces ch04: side by side
+    #| console.print(tables[0])
+    console.print(Columns(tables))
+    # <<< ch06
+    for loop, events in traces.items():
+        console.print(f"{loop + ':':9}" + ", ".join(events.order()), markup=False, highlight=False)
+    # >>> ch06: a file for Perfetto
+    if args.chrome:
+        args.chrome.write_text(json.dumps(chrome_trace(traces)))
+        console.print(f"wrote {args.chrome}: open it at https://ui.perfetto.dev")
+    # <<< ch06
+
+
+def event_table(loop: str, events: Trace) -> Table:
+    table = Table("step", "event", "requests", "+ (us)", title=f"the {loop} loop")
+    prev = events[0].t_ns
+    for e in events:
+        table.add_row(str(e.step), e.kind, ",".join(map(str, e.uids)), f"{(e.t_ns - prev) / 1e3:.0f}")
         prev = e.t_ns
-    console.print(table)
-    console.print("order: " + ", ".join(llm.trace.order()))
+    return table
+
+
+def run_traced(args: argparse.Namespace, **engine_args) -> Trace:
+    llm = LLM(model=args.model, device=args.device, **engine_args)
+    llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    return llm.trace
 # <<< ch04
 
 
@@ -60,6 +98,12 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--model", default="tiny", help="'tiny' (shipped) or a local HF-format Qwen3 directory")
         cmd.add_argument("--device", default="cpu")
         cmd.add_argument("--max-tokens", type=int, default=max_tokens)
+    # >>> ch06: both loops
+    trace_cmd = sub.choices["trace"]
+    trace_cmd.add_argument("--loop", choices=("normal", "overlap"), default="normal")
+    trace_cmd.add_argument("--compare", action="store_true", help="run both loops and print them side by side")
+    trace_cmd.add_argument("--chrome", type=Path, help="write Chrome trace-event JSON (Perfetto opens it)")
+    # <<< ch06
     args = parser.parse_args(argv)
     console = Console()
     try:

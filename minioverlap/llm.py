@@ -55,6 +55,12 @@ class LLM:
                  # >>> ch03: batching
                  max_running: int = 16,
                  # <<< ch03
+                 # >>> ch06: the overlap loop
+                 # >>> ch07 replaces ch06: its bugs fixed, the overlap loop is the default
+                 #| overlap: bool = False,
+                 overlap: bool = True,
+                 # <<< ch07
+                 # <<< ch06
                  ) -> None:
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(device)
@@ -82,6 +88,11 @@ class LLM:
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04
+        # >>> ch06: the overlap loop
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        self.overlap = overlap
+        # <<< ch06
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> token ids, checked against the vocabulary and the context."""
@@ -137,9 +148,11 @@ class LLM:
         # >>> ch02 replaces ch01: the paged cache
         #| for req in reqs:
         #|     req.output_ids = greedy_generate(self.model, req.prompt_ids, req.max_new_tokens, tuple(req.stop_ids))
+        #|     req.finish_reason = req.check_stop()
         # >>> ch03 replaces ch02: one batch for many requests
         #| for req in reqs:
         #|     req.output_ids = paged_greedy_generate(self.runner, req.prompt_ids, req.max_new_tokens, tuple(req.stop_ids))
+        #|     req.finish_reason = req.check_stop()
         # >>> ch04 replaces ch03: the scheduler's loop, which admits requests as room frees up
         #| for start in range(0, len(reqs), self.max_running):
         #|     generate_batch(self.runner, reqs[start:start + self.max_running])
@@ -172,8 +185,17 @@ class LLM:
         for req in reqs:
             self.scheduler.add_request(req)
         self.scheduler.start_run()
-        while self.scheduler.busy:
-            yield from self.scheduler.normal_loop()
+        # >>> ch06 replaces ch04: both loops, side by side
+        #| while self.scheduler.busy:
+        #|     yield from self.scheduler.normal_loop()
+        with self.scheduler.streams.schedule():
+            while not self.overlap and self.scheduler.busy:
+                yield from self.scheduler.normal_loop()
+            last = None                          # the overlap loop's step in flight
+            while self.overlap and (self.scheduler.busy or last is not None):
+                last, replies = self.scheduler.overlap_loop(last)
+                yield from replies
+        # <<< ch06
 
     @property
     def trace(self) -> Trace:

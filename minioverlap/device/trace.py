@@ -39,3 +39,19 @@ class Trace(list):
         for a, b in zip(self, self[1:]):
             spans.setdefault(b.kind, []).append(b.t_ns - a.t_ns)
         return {kind: sum(v) / len(v) / 1e3 for kind, v in spans.items()}
+# >>> ch06: a file for Perfetto
+
+
+def chrome_trace(traces: dict[str, Trace]) -> dict:
+    """Chrome trace-event JSON (Perfetto and chrome://tracing open it): one process per loop, its host
+    thread as one track, each phase a slice that lasts from the event before to its own."""
+    events: list[dict] = []
+    for pid, (loop, trace) in enumerate(traces.items(), start=1):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{loop} loop"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "scheduler (host)"}})
+        t0 = trace[0].t_ns
+        for a, b in zip(trace, trace[1:]):
+            events.append({"ph": "X", "name": f"{b.kind} {b.step}", "pid": pid, "tid": 1, "ts": (a.t_ns - t0) / 1e3,
+                           "dur": (b.t_ns - a.t_ns) / 1e3, "args": {"requests": list(b.uids)}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+# <<< ch06

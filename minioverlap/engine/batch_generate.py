@@ -25,6 +25,7 @@ def generate_batch(runner: ModelRunner, reqs: list[Req]) -> None:
         for req, token in zip(running, tokens):
             req.output_ids.append(token)
             runner.tables.write_tokens(req.row, req.seq_len, [token])    # the next step's input
+            req.finish_reason = req.check_stop()
             if req.finished:
                 runner.release(req)
         running, mode = [r for r in running if not r.finished], ForwardMode.DECODE

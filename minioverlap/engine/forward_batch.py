@@ -43,10 +43,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor
     prefix_lens: list[int]
     extend_lens: list[int]
-
-    @property
-    def rows(self) -> list[int]:
-        return [r.row for r in self.reqs]
+    rows: list[int]              # the request slots this step reads and writes (host copy)
+    pages: list[int]             # the pages it reads and writes: they stay taken until it is handled
 
     @property
     def max_seq_len(self) -> int:
@@ -84,5 +82,6 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     token_rows = tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)])
     input_ids = tables.token_pool[token_rows, tensor(positions)].long()
     # <<< ch03
-    return ForwardBatch(mode, reqs, input_ids, tensor(positions), tensor(loc), tensor([r.row for r in reqs]),
-                        tensor([r.seq_len for r in reqs]), prefix_lens, extend_lens)
+    rows = [r.row for r in reqs]
+    return ForwardBatch(mode, reqs, input_ids, tensor(positions), tensor(loc), tensor(rows),
+                        tensor([r.seq_len for r in reqs]), prefix_lens, extend_lens, rows, [p for r in reqs for p in r.pages])

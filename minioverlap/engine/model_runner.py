@@ -72,7 +72,7 @@ def paged_greedy_generate(runner: ModelRunner, prompt: list[int], max_tokens: in
             # >>> ch03: the next step reads its input from token_pool
             runner.tables.write_tokens(req.row, req.seq_len, req.output_ids[-1:])
             # <<< ch03
-            if req.finished:
+            if req.check_stop():
                 return req.output_ids
             batch = runner.batch(ForwardMode.DECODE, [req])
     finally:

@@ -27,20 +27,23 @@ class Req:
     # >>> ch03: per-request sampling
     generator: torch.Generator | None = None   # its own random stream when params.seed is set
     # <<< ch03
-    # >>> ch04: abort
-    aborted: bool = False
-    # <<< ch04
+    finish_reason: str | None = None    # "stop", "length" or "abort" once it is done
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def finish_reason(self) -> str | None:
-        # >>> ch04: abort
-        if self.aborted:
-            return "abort"
-        # <<< ch04
+    def check_stop(self) -> str | None:
+        """The stop rules, applied to the tokens received: a stop token (EOS unless ignore_eos, or one of
+        stop_token_ids) -> "stop"; max_tokens or the end of the context -> "length"."""
         if self.output_ids and self.output_ids[-1] in self.stop_ids:
             return "stop"
         return "length" if len(self.output_ids) >= self.max_new_tokens else None
+    # >>> ch04: what the CPU knows at launch
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether another step may be launched for it. The CPU counts the tokens it has launched (its
+        device length), not those received: in the overlap loop it runs one step ahead of the results."""
+        return self.seq_len - len(self.prompt_ids) + 1 < self.max_new_tokens
+    # <<< ch04

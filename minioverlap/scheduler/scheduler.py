@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+# >>> ch06: the two streams
+from minioverlap.device.streams import Streams
+# <<< ch06
 from minioverlap.device.trace import Trace
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 from minioverlap.engine.model_runner import ModelRunner
@@ -37,9 +40,12 @@ class Reply:
     finish_reason: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class StepOutput:
-    """A launched step. It keeps its tensors alive until the step is handled."""
+    """A launched step. It keeps its tensors alive until the step is handled.
+
+    NOTE: on a GPU the step may still be running when the host moves on; if its batch's tensors were
+    freed, the allocator could hand their memory to the next step while this one still reads it."""
     step: int
     batch: ForwardBatch
     next_tokens: torch.Tensor            # [B] on the device
@@ -59,6 +65,13 @@ class Scheduler:
         self.running: list[Req] = []
         self.trace = Trace()
         self.step = 0
+        # >>> ch06: the overlap loop
+        self.streams = Streams(runner.device)
+        self.in_flight: list[StepOutput] = []     # launched, not yet handled
+        # <<< ch06
+        # >>> ch07 fix slot-reuse: requests whose slot and pages wait for an in-flight step to be handled
+        self.deferred: list[tuple[int, Req]] = []   # (the step that must be handled first, the request)
+        # <<< ch07
 
     # ---- the client's side: messages into the inbox
     def add_request(self, req: Req) -> None:
@@ -88,6 +101,21 @@ class Scheduler:
         out = self.launch(batch)
         self.wait(out)
         return replies + self.process(out)
+    # >>> ch06: the overlap loop
+
+    def overlap_loop(self, last: StepOutput | None) -> tuple[StepOutput | None, list[Reply]]:
+        """One iteration: schedule and launch step N+1, then wait for and handle step N (`last`).
+
+        Launching first is what keeps the device busy: while it runs step N+1, the host handles
+        step N. Step N+1 was built without step N's tokens; they are on the device already (05)."""
+        replies = self.receive()
+        batch = self.schedule()
+        out = self.launch(batch) if batch is not None else None
+        if last is not None:
+            self.wait(last)
+            replies += self.process(last)
+        return out, replies
+    # <<< ch06
 
     def receive(self) -> list[Reply]:
         replies = []
@@ -102,7 +130,11 @@ class Scheduler:
     def schedule(self) -> ForwardBatch | None:
         """Prefill newly admitted requests if any fit, else decode every running request."""
         new = self.admit()
-        mode, reqs = (ForwardMode.EXTEND, new) if new else (ForwardMode.DECODE, list(self.running))
+        # >>> ch06 replaces ch04: only requests that may take another step (the CPU counts what it launched)
+        #| decode = list(self.running)
+        decode = [r for r in self.running if r.can_decode]
+        # <<< ch06
+        mode, reqs = (ForwardMode.EXTEND, new) if new else (ForwardMode.DECODE, decode)
         if not reqs:
             return None
         self.step += 1
@@ -111,9 +143,22 @@ class Scheduler:
         return batch
 
     def launch(self, batch: ForwardBatch) -> StepOutput:
-        next_tokens = sample(self.runner.forward(batch), batch.reqs)
-        cpu, copy_done = copy_to_host(next_tokens)
+        # >>> ch06 replaces ch04: on the forward stream, after the schedule stream's writes
+        #| out = self.run_step(batch)
+        with self.streams.forward():
+            out = self.run_step(batch)
+        self.in_flight.append(out)
+        # <<< ch06
         self.trace.record("launch", self.step, [r.uid for r in batch.reqs])
+        return out
+
+    def run_step(self, batch: ForwardBatch) -> StepOutput:
+        """Forward, sample, and start copying the tokens to the host."""
+        next_tokens = sample(self.runner.forward(batch), batch.reqs)
+        # >>> ch05: the token stays on the device, where the next step reads it
+        self.runner.tables.token_pool[batch.req_pool_indices, batch.seq_lens] = next_tokens.to(torch.int32)
+        # <<< ch05
+        cpu, copy_done = copy_to_host(next_tokens)
         return StepOutput(self.step, batch, next_tokens, cpu, copy_done)
 
     def wait(self, out: StepOutput) -> None:
@@ -123,11 +168,28 @@ class Scheduler:
 
     def process(self, out: StepOutput) -> list[Reply]:
         """Append each request's token, apply the stop rules, free what finished, and reply."""
+        # >>> ch06: the step is done; what waited for it can go
+        self.in_flight.remove(out)
+        # <<< ch06
+        # >>> ch07 fix slot-reuse: slots and pages that waited for this step to be handled
+        self.release_deferred(out.step)
+        # <<< ch07
         replies = []
         for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist()):
             # >>> exercise 04.2: handle a step's result
+            # >>> ch07 fix stale-reply: finished in an earlier handle, it was launched again; drop the token
+            if req.finished:
+                continue
+            # <<< ch07
             req.output_ids.append(token)
-            self.runner.tables.write_tokens(req.row, req.seq_len, [token])   # the next step's input
+            # >>> ch05 replaces ch04: the sampler wrote the token into token_pool, on the device
+            #| self.runner.tables.write_tokens(req.row, req.seq_len, [token])   # the next step's input
+            # <<< ch05
+            # >>> ch07 fix early-finish replaces ch04: decide by the tokens actually received
+            #| if token in req.stop_ids or not req.can_decode:     # by what was launched: one step ahead in the overlap loop
+            #|     req.finish_reason = "stop" if token in req.stop_ids else "length"
+            req.finish_reason = req.check_stop()
+            # <<< ch07
             if req.finished:
                 self.free(req)
             replies.append(Reply(req.uid, [token], req.finished, req.finish_reason))
@@ -164,23 +226,43 @@ class Scheduler:
         return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
 
     def abort_now(self, req: Req) -> Reply:
-        req.aborted = True
+        req.finish_reason = "abort"
         if req in self.waiting:
             self.waiting.remove(req)
         else:
+            # >>> ch07 fix abort-in-flight replaces ch04: a step in flight may hold it: free it as a finish is freed
+            #| self.running.remove(req)
+            #| self.runner.release(req)
             self.free(req)
+            # <<< ch07
         return Reply(req.uid, [], True, "abort")
 
     def free(self, req: Req) -> None:
         self.running.remove(req)
+        # >>> ch07 fix slot-reuse: a launched step still writes its row and pages: keep them until it is handled
+        if self.in_flight:
+            self.deferred.append((self.in_flight[-1].step, req))
+            return
+        # <<< ch07
         self.runner.release(req)
+    # >>> ch07 fix slot-reuse: release what waited
+
+    def release_deferred(self, handled_step: int) -> None:
+        for step, req in [d for d in self.deferred if d[0] <= handled_step]:
+            self.deferred.remove((step, req))
+            self.runner.release(req)
+    # <<< ch07
 
     def check_integrity(self) -> None:
         """Every page and request slot is free or owned by exactly one running request, and each
         running request's req_to_token row points at its own pages."""
         alloc, tables, problems = self.runner.allocator, self.runner.tables, []
-        owned_pages = [p for r in self.running for p in r.pages]
-        owned_rows = [r.row for r in self.running]
+        owners = list(self.running)
+        # >>> ch07 fix slot-reuse: deferred requests still own theirs
+        owners += [req for _, req in self.deferred]
+        # <<< ch07
+        owned_pages = [p for r in owners for p in r.pages]
+        owned_rows = [r.row for r in owners]
         for what, owned, free, total in (("page", owned_pages, alloc.free_pages, alloc.num_pages),
                                          ("request slot", owned_rows, tables.free_rows, len(tables.is_free))):
             counts = {i: 0 for i in range(1, total)}
@@ -189,7 +271,7 @@ class Scheduler:
             problems += [f"{what} {i} is {'lost' if n == 0 else f'owned or free {n} times'}"
                          for i, n in counts.items() if n != 1]
         problems += [f"waiting request {r.uid} holds a slot or pages" for r in self.waiting if r.row or r.pages]
-        for r in self.running:
+        for r in owners:
             expected = alloc.kv_slots(r.pages, 0, r.seq_len)
             if tables.req_to_token[r.row, :r.seq_len].tolist() != expected:
                 problems.append(f"request {r.uid}: req_to_token row {r.row} does not point at its pages")
