@@ -1,0 +1,58 @@
+"""Chapter 06: the overlap loop launches step N+1 before it handles step N."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from minioverlap import LLM, SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]
+
+
+def test_overlap_event_order_of_one_request_of_three_tokens():
+    """One request, three tokens: launch 1, launch 2, handle 1, launch 3, handle 2, handle 3."""
+    llm = LLM(model="tiny", overlap=True)
+    llm.generate(["def f(x):"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert llm.trace.order() == ["launch 1", "launch 2", "handle 1", "launch 3", "handle 2", "handle 3"]
+    waits = [(e.kind, e.step) for e in llm.trace if e.kind in ("launch", "wait")]
+    assert waits == [("launch", 1), ("launch", 2), ("wait", 1), ("launch", 3), ("wait", 2), ("wait", 3)]
+
+
+def test_overlap_loop_computes_the_normal_loops_tokens():
+    """Every token the overlap loop hands out is the normal loop's token at that position. (Where it
+    stops is chapter 07's business: here it may stop one token early.)"""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    normal = LLM(model="tiny", overlap=False).generate(PROMPTS, params)
+    overlap = LLM(model="tiny", overlap=True).generate(PROMPTS, params)
+    for n, o in zip(normal, overlap):
+        assert len(o.token_ids) >= 9 and o.token_ids == n.token_ids[:len(o.token_ids)]
+
+
+def test_an_in_flight_step_keeps_its_batch_alive():
+    """While a step is in flight, its record holds its batch and tensors, so nothing it reads is freed."""
+    llm = LLM(model="tiny", overlap=True)
+    sched = llm.scheduler
+    for req in llm.make_requests(PROMPTS[:2], SamplingParams(max_tokens=4)):
+        sched.add_request(req)
+    last, _ = sched.overlap_loop(None)
+    assert sched.in_flight == [last] and last.batch.input_ids.numel() > 0
+    nxt, _ = sched.overlap_loop(last)
+    assert sched.in_flight == [nxt], "step 1 was handled, step 2 is in flight"
+
+
+def test_trace_compare_prints_both_orders_and_writes_a_perfetto_file(tmp_path):
+    """`minioverlap trace --compare --chrome FILE` prints both exact orders and writes trace-event JSON
+    with one process per loop."""
+    path = tmp_path / "trace.json"
+    run = subprocess.run([sys.executable, "-m", "minioverlap", "trace", "--compare", "--chrome", str(path)],
+                         capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "120"})
+    assert "normal:  launch 1, handle 1, launch 2, handle 2, launch 3, handle 3" in run.stdout
+    assert "overlap: launch 1, launch 2, handle 1, launch 3, handle 2, handle 3" in run.stdout
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {"normal loop", "overlap loop"}
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["name"] for e in slices} >= {"launch 1", "process 3"} and all(e["dur"] >= 0 for e in slices)

@@ -1,0 +1,182 @@
+"""Chapter 07: results arrive one step late. The four bugs this causes, each pinned by a test that
+fails on the naive logic (the step checker reverts each fix and watches its test fail), and a
+randomized test: the overlap loop gives every client exactly what the normal loop gives."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from minioverlap import LLM, SamplingParams
+
+
+# ---- helpers: a client that streams, and a watch on slots handed out while a step uses them
+
+def watch_slot_reuse(llm: LLM) -> list[str]:
+    """Record every request slot or page handed out while a launched, unhandled step still uses it.
+    On a GPU that step may still be reading or writing it: the new owner's data would be corrupted."""
+    sched, tables, alloc = llm.scheduler, llm.runner.tables, llm.runner.allocator
+    take_row, take_pages, violations = tables.alloc, alloc.alloc, []
+
+    def row_alloc() -> int:
+        row = take_row()
+        violations.extend([f"request slot {row} handed out while step {o.step} uses it"
+                           for o in sched.in_flight if row in o.batch.rows])
+        return row
+
+    def page_alloc(n: int) -> list[int]:
+        pages = take_pages(n)
+        violations.extend([f"page {p} handed out while step {o.step} uses it"
+                           for o in sched.in_flight for p in pages if p in o.batch.pages])
+        return pages
+
+    tables.alloc, alloc.alloc = row_alloc, page_alloc
+    return violations
+
+
+@dataclass
+class Plan:
+    """One client: its prompt and params, when it arrives (after how many replies in all), and
+    after how many of its own tokens it aborts (None: never)."""
+    prompt: list[int]
+    params: SamplingParams
+    arrive_after: int = 0
+    abort_after: int | None = None
+
+
+@dataclass
+class Received:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    replies_after_finish: int = 0
+
+
+def run_clients(llm: LLM, plans: list[Plan]) -> list[Received]:
+    """Drive llm.stream like a set of clients: arrivals and aborts happen between replies."""
+    got = [Received() for _ in plans]
+    uid_to = {}
+    first = [i for i, p in enumerate(plans) if p.arrive_after == 0]
+    stream = llm.stream([plans[i].prompt for i in first], [plans[i].params for i in first])
+    uid_to.update({llm.next_uid - len(first) + k: i for k, i in enumerate(first)})
+    pending = sorted((i for i, p in enumerate(plans) if p.arrive_after > 0), key=lambda i: plans[i].arrive_after)
+    for count, reply in enumerate(stream, start=1):
+        i = uid_to[reply.uid]
+        if got[i].finish_reason is not None:
+            got[i].replies_after_finish += 1
+        got[i].tokens += reply.token_ids
+        if reply.finished:
+            got[i].finish_reason = reply.finish_reason
+        elif plans[i].abort_after is not None and len(got[i].tokens) >= plans[i].abort_after:
+            llm.abort(reply.uid)
+        while pending and plans[pending[0]].arrive_after <= count:
+            j = pending.pop(0)
+            uid_to[llm.add_request(plans[j].prompt, plans[j].params)] = j
+    return got
+
+
+def stop_token_after(llm: LLM, prompt: list[int], n: int) -> int:
+    """The token greedy decoding produces as the n-th new token of prompt (normal loop)."""
+    normal = LLM(model="tiny", overlap=False)
+    return normal.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids[n - 1]
+
+
+# ---- the four bugs
+
+def test_early_finish_a_client_gets_all_max_tokens():
+    """early-finish: in the overlap loop a request with max_tokens=5 streams 5 tokens, `finished` on the
+    fifth. The naive check reads the launched length, one step ahead, and stops the client at 4."""
+    llm = LLM(model="tiny", overlap=True)
+    replies = list(llm.stream(["def f(x):"], SamplingParams(max_tokens=5, ignore_eos=True)))
+    assert [len(r.token_ids) for r in replies] == [1, 1, 1, 1, 1]
+    assert [r.finished for r in replies] == [False] * 4 + [True] and replies[-1].finish_reason == "length"
+    llm.check_integrity()
+
+
+def test_stale_reply_nothing_after_the_stop_token():
+    """stale-reply: a request that samples a stop token at step N is already in step N+1; that step's
+    token for it must produce no reply. The client's stream ends with the stop token."""
+    llm = LLM(model="tiny", overlap=True)
+    prompt = llm.encode("def fibonacci(n):")
+    stop = stop_token_after(llm, prompt, 3)
+    got = run_clients(llm, [Plan(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)))])
+    assert got[0].replies_after_finish == 0
+    assert got[0].finish_reason == "stop" and got[0].tokens[-1] == stop and len(got[0].tokens) <= 3
+    llm.check_integrity()
+
+
+def test_slot_reuse_no_slot_is_handed_out_while_a_step_uses_it():
+    """slot-reuse: with one request slot, request A stops on a stop token at step N while step N+1
+    (which writes A's row) is in flight. Request B must not get that row before step N+1 is handled."""
+    llm = LLM(model="tiny", overlap=True, max_running=1, page_size=4)
+    a, b = llm.encode("def fibonacci(n):"), llm.encode("class Stack:")
+    stop = stop_token_after(llm, a, 3)
+    violations = watch_slot_reuse(llm)
+    got = run_clients(llm, [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,))),
+                            Plan(b, SamplingParams(max_tokens=6, ignore_eos=True))])
+    assert violations == []
+    assert got[0].finish_reason == "stop" and got[1].finish_reason == "length" and len(got[1].tokens) == 6
+    llm.check_integrity()
+
+
+def test_abort_in_flight_frees_once_and_discards_the_result():
+    """abort-in-flight: an abort that arrives after A's prefill was launched, before its result is
+    handled, frees A exactly once (and not while the prefill still uses its slot) and discards the
+    prefill's token: A's only reply is the abort."""
+    llm = LLM(model="tiny", overlap=True, max_running=1, page_size=4)
+    sched = llm.scheduler
+    violations = watch_slot_reuse(llm)
+    released = []
+    release = llm.runner.release
+    llm.runner.release = lambda req: released.append(req.uid) or release(req)
+    a, b = llm.make_requests(["def fibonacci(n):", "class Stack:"], SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.add_request(a)
+    sched.add_request(b)
+    last, replies = sched.overlap_loop(None)              # A's prefill is launched, B waits for the slot
+    sched.abort(a.uid)                                    # ... and the abort arrives before it is handled
+    while sched.busy or last is not None:
+        last, more = sched.overlap_loop(last)
+        replies += more
+    assert [(r.token_ids, r.finish_reason) for r in replies if r.uid == a.uid] == [([], "abort")]
+    assert a.output_ids == [] and released.count(a.uid) == 1
+    assert violations == []
+    assert len(b.output_ids) == 4 and b.finish_reason == "length"
+    llm.check_integrity()
+
+
+# ---- everything at once: random schedules
+
+def random_plans(rng: random.Random, stops: list[int]) -> list[Plan]:
+    plans = []
+    for i in range(rng.randint(2, 6)):
+        params = SamplingParams(max_tokens=rng.randint(1, 14), ignore_eos=True,
+                                stop_token_ids=tuple(rng.sample(stops, rng.randint(0, 2))),
+                                temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randint(0, 999))
+        prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, 24))]
+        plans.append(Plan(prompt, params, arrive_after=0 if i < 2 else rng.randint(1, 12),
+                          abort_after=rng.choice([None, None, rng.randint(1, 6)])))
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_schedules_overlap_equals_normal(seed):
+    """Random arrivals, prompt lengths, max_tokens, stop tokens, aborts and small page pools: every
+    client of the overlap loop receives exactly what it receives from the normal loop, `finished` on
+    the last reply and nothing after; no slot is reused while in flight; integrity holds."""
+    rng = random.Random(seed)
+    engine = dict(page_size=rng.choice([1, 2, 4, 16]), max_running=rng.randint(1, 4), max_seq_len=64)
+    engine["num_pages"] = 64 // engine["page_size"] * rng.randint(1, 3) + 1
+    tiny = LLM(model="tiny", **engine, overlap=False)
+    stops = [tiny.encode(s)[0] for s in ("\n", "(", " =", ":", ",")]
+    plans = random_plans(rng, stops)
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(model="tiny", **engine, overlap=overlap)
+        violations = watch_slot_reuse(llm)
+        results[overlap] = run_clients(llm, plans)
+        assert violations == []
+        llm.check_integrity()
+        for got in results[overlap]:
+            assert got.finish_reason is not None and got.replies_after_finish == 0
+    assert results[True] == results[False]
