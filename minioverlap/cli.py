@@ -62,6 +62,12 @@ def trace(args: argparse.Namespace, console: Console) -> None:
     # <<< ch06
     for loop, events in traces.items():
         console.print(f"{loop + ':':9}" + ", ".join(events.order()), markup=False, highlight=False)
+    # >>> ch06: GPU timestamps
+    for loop, events in traces.items():
+        if gaps := sorted(events.gpu_gaps_ms()):
+            console.print(f"{loop + ':':9}median GPU gap between steps {gaps[len(gaps) // 2]:.3f} ms "
+                          f"(max {gaps[-1]:.3f} ms, {len(gaps)} gaps)")
+    # <<< ch06
     # >>> ch06: a file for Perfetto
     if args.chrome:
         args.chrome.write_text(json.dumps(chrome_trace(traces)))

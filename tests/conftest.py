@@ -3,6 +3,7 @@ by transformers itself, and transformers' own greedy generation to compare again
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,30 @@ import torch
 TINY = Path(__file__).resolve().parent.parent / "minioverlap" / "checkpoints" / "tiny"
 CODE_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n",
                 "    for i in range(10):", "x = [1, 2, 3]\nprint("]
+
+
+# MINIOVERLAP_TEST_DEVICE=cuda runs every engine of the suite on a GPU (in fp32, so that tokens still
+# equal the CPU references).
+DEVICE = os.environ.get("MINIOVERLAP_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def engines_on_test_device():
+    if DEVICE == "cpu":
+        yield
+        return
+    from minioverlap import llm
+
+    init = llm.LLM.__init__
+
+    def on_device(self, *args, **kwargs):
+        kwargs.setdefault("device", DEVICE)
+        kwargs.setdefault("dtype", "float32")
+        init(self, *args, **kwargs)
+
+    llm.LLM.__init__ = on_device
+    yield
+    llm.LLM.__init__ = init
 
 
 @pytest.fixture(scope="session")

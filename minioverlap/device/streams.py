@@ -38,3 +38,11 @@ class Streams:
         self.forward_stream.wait_stream(self.schedule_stream)
         with torch.cuda.stream(self.forward_stream):
             yield
+
+    def timestamp(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the current stream (CUDA), or None on CPU."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event

@@ -24,6 +24,25 @@ class TraceEvent:
 
 class Trace(list):
     """A list of TraceEvents, oldest first."""
+    # >>> ch06: GPU timestamps
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpu: dict[int, tuple[float, float]] = {}   # step -> (start, end) on the GPU, ms from step 1's start
+        self.gpu_origin = None
+
+    def record_gpu(self, step: int, start, end) -> None:
+        """Keep a handled step's GPU start and end (CUDA timing events, complete by now); None on CPU."""
+        if start is None:
+            return
+        self.gpu_origin = self.gpu_origin or start
+        self.gpu[step] = (self.gpu_origin.elapsed_time(start), self.gpu_origin.elapsed_time(end))
+
+    def gpu_gaps_ms(self) -> list[float]:
+        """The GPU's idle time before each step: gpu_start(N) - gpu_end(N-1)."""
+        steps = sorted(self.gpu)
+        return [self.gpu[b][0] - self.gpu[a][1] for a, b in zip(steps, steps[1:])]
+    # <<< ch06
 
     def record(self, kind: str, step: int, uids: tuple[int, ...] | list[int]) -> None:
         self.append(TraceEvent(kind, step, time.perf_counter_ns(), tuple(uids)))

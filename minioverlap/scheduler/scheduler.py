@@ -51,6 +51,9 @@ class StepOutput:
     next_tokens: torch.Tensor            # [B] on the device
     next_tokens_cpu: torch.Tensor        # [B] on the host, valid once copy_done has completed
     copy_done: torch.cuda.Event | None   # None on CPU, where the copy is done when it returns
+    # >>> ch06: GPU timestamps of the step (None on CPU)
+    gpu_events: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)   # start, end
+    # <<< ch06
 
 
 class IntegrityError(RuntimeError):
@@ -154,12 +157,18 @@ class Scheduler:
 
     def run_step(self, batch: ForwardBatch) -> StepOutput:
         """Forward, sample, and start copying the tokens to the host."""
+        # >>> ch06: GPU timestamps of the step (None on CPU)
+        start = self.streams.timestamp()
+        # <<< ch06
         next_tokens = sample(self.runner.forward(batch), batch.reqs)
         # >>> ch05: the token stays on the device, where the next step reads it
         self.runner.tables.token_pool[batch.req_pool_indices, batch.seq_lens] = next_tokens.to(torch.int32)
         # <<< ch05
         cpu, copy_done = copy_to_host(next_tokens)
-        return StepOutput(self.step, batch, next_tokens, cpu, copy_done)
+        # >>> ch06 replaces ch04: GPU timestamps of the step (None on CPU)
+        #| return StepOutput(self.step, batch, next_tokens, cpu, copy_done)
+        return StepOutput(self.step, batch, next_tokens, cpu, copy_done, (start, self.streams.timestamp()))
+        # <<< ch06
 
     def wait(self, out: StepOutput) -> None:
         if out.copy_done is not None:
@@ -170,6 +179,7 @@ class Scheduler:
         """Append each request's token, apply the stop rules, free what finished, and reply."""
         # >>> ch06: the step is done; what waited for it can go
         self.in_flight.remove(out)
+        self.trace.record_gpu(out.step, *out.gpu_events)
         # <<< ch06
         # >>> ch07 fix slot-reuse: slots and pages that waited for this step to be handled
         self.release_deferred(out.step)
