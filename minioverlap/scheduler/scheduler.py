@@ -164,10 +164,13 @@ class Scheduler:
         # >>> ch05: the token stays on the device, where the next step reads it
         self.runner.tables.token_pool[batch.req_pool_indices, batch.seq_lens] = next_tokens.to(torch.int32)
         # <<< ch05
+        # >>> ch06: GPU timestamps of the step (None on CPU)
+        end = self.streams.timestamp()
+        # <<< ch06
         cpu, copy_done = copy_to_host(next_tokens)
         # >>> ch06 replaces ch04: GPU timestamps of the step (None on CPU)
         #| return StepOutput(self.step, batch, next_tokens, cpu, copy_done)
-        return StepOutput(self.step, batch, next_tokens, cpu, copy_done, (start, self.streams.timestamp()))
+        return StepOutput(self.step, batch, next_tokens, cpu, copy_done, (start, end))
         # <<< ch06
 
     def wait(self, out: StepOutput) -> None:
