@@ -83,14 +83,15 @@ def test_gqa_attention_matches_sdpa(q_start):
 def test_decoding_with_the_cache_equals_recomputing_the_sequence(tiny):
     """Logits from prefill + one-token decode steps equal a single pass over the whole sequence."""
     model = tiny.model
-    ids = torch.tensor(tiny.encode("def add(a, b):\n    return a + b\n"))
+    device = model.model.embed_tokens.weight.device
+    ids = torch.tensor(tiny.encode("def add(a, b):\n    return a + b\n"), device=device)
     with torch.inference_mode():
-        full = model.compute_logits(model(ids, torch.arange(len(ids)), ContiguousCache(model, len(ids))))
+        full = model.compute_logits(model(ids, torch.arange(len(ids), device=device), ContiguousCache(model, len(ids))))
         cache, split = ContiguousCache(model, len(ids)), 6
-        steps = [model(ids[:split], torch.arange(split), cache)]
+        steps = [model(ids[:split], torch.arange(split, device=device), cache)]
         cache.length = split
         for pos in range(split, len(ids)):
-            steps.append(model(ids[pos:pos + 1], torch.tensor([pos]), cache))
+            steps.append(model(ids[pos:pos + 1], torch.tensor([pos], device=device), cache))
             cache.length += 1
         stepwise = model.compute_logits(torch.cat(steps))
     torch.testing.assert_close(stepwise, full, rtol=1e-4, atol=1e-4)

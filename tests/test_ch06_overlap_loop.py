@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from minioverlap import LLM, SamplingParams
 
@@ -56,3 +57,18 @@ def test_trace_compare_prints_both_orders_and_writes_a_perfetto_file(tmp_path):
     assert names == {"normal loop", "overlap loop"}
     slices = [e for e in events if e["ph"] == "X"]
     assert {e["name"] for e in slices} >= {"launch 1", "process 3"} and all(e["dur"] >= 0 for e in slices)
+
+
+def test_the_timeline_notebook_runs():
+    """examples/ch06_timelines.ipynb runs top to bottom on the tiny model (both loops, no error) and
+    draws its timelines: the output holds a figure (image/png)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    root = Path(__file__).resolve().parent.parent
+    nb = nbformat.read(root / "examples" / "ch06_timelines.ipynb", as_version=4)
+    client = NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(root)}})
+    client.execute(env=dict(os.environ))          # the kernel imports the package the tests import
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs if o.output_type == "display_data")

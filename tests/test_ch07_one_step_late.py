@@ -54,25 +54,30 @@ class Received:
 
 
 def run_clients(llm: LLM, plans: list[Plan]) -> list[Received]:
-    """Drive llm.stream like a set of clients: arrivals and aborts happen between replies."""
+    """Drive llm.stream like a set of clients: arrivals and aborts happen between replies. A client
+    that would arrive after the last reply arrives then, in a stream of its own."""
     got = [Received() for _ in plans]
-    uid_to = {}
-    first = [i for i, p in enumerate(plans) if p.arrive_after == 0]
-    stream = llm.stream([plans[i].prompt for i in first], [plans[i].params for i in first])
-    uid_to.update({llm.next_uid - len(first) + k: i for k, i in enumerate(first)})
-    pending = sorted((i for i, p in enumerate(plans) if p.arrive_after > 0), key=lambda i: plans[i].arrive_after)
-    for count, reply in enumerate(stream, start=1):
-        i = uid_to[reply.uid]
-        if got[i].finish_reason is not None:
-            got[i].replies_after_finish += 1
-        got[i].tokens += reply.token_ids
-        if reply.finished:
-            got[i].finish_reason = reply.finish_reason
-        elif plans[i].abort_after is not None and len(got[i].tokens) >= plans[i].abort_after:
-            llm.abort(reply.uid)
-        while pending and plans[pending[0]].arrive_after <= count:
-            j = pending.pop(0)
-            uid_to[llm.add_request(plans[j].prompt, plans[j].params)] = j
+    uid_to: dict[int, int] = {}
+    arrivals = sorted(range(len(plans)), key=lambda i: plans[i].arrive_after)
+    count = 0
+    while arrivals:
+        first = [arrivals.pop(0)]
+        while arrivals and plans[arrivals[0]].arrive_after <= count:
+            first.append(arrivals.pop(0))
+        stream = llm.stream([plans[i].prompt for i in first], [plans[i].params for i in first])
+        uid_to.update({llm.next_uid - len(first) + k: i for k, i in enumerate(first)})
+        for reply in stream:
+            count += 1
+            i = uid_to[reply.uid]
+            got[i].replies_after_finish += got[i].finish_reason is not None
+            got[i].tokens += reply.token_ids
+            if reply.finished:
+                got[i].finish_reason = reply.finish_reason
+            elif plans[i].abort_after is not None and len(got[i].tokens) >= plans[i].abort_after:
+                llm.abort(reply.uid)
+            while arrivals and plans[arrivals[0]].arrive_after <= count:
+                j = arrivals.pop(0)
+                uid_to[llm.add_request(plans[j].prompt, plans[j].params)] = j
     return got
 
 
