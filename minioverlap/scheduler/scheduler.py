@@ -78,10 +78,11 @@ class Scheduler:
 
     # ---- the client's side: messages into the inbox
     def add_request(self, req: Req) -> None:
-        pages = self.runner.allocator.pages_for(len(req.prompt_ids) + req.max_new_tokens)
-        if pages > self.runner.allocator.num_pages - 1:
+        """Queue a request for the next receive; one that could never fit the pool is refused now."""
+        pages, pool = self.pages_needed(req), self.runner.allocator.num_pages - 1
+        if pages > pool:
             raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens need {pages} "
-                             f"pages; the pool has {self.runner.allocator.num_pages - 1}")
+                             f"pages; the pool has {pool}")
         self.inbox.append(("add", req))
 
     def abort(self, uid: int) -> None:
@@ -111,6 +112,7 @@ class Scheduler:
 
         Launching first is what keeps the device busy: while it runs step N+1, the host handles
         step N. Step N+1 was built without step N's tokens; they are on the device already (05)."""
+        # >>> exercise 06.1: the overlap loop
         replies = self.receive()
         batch = self.schedule()
         out = self.launch(batch) if batch is not None else None
@@ -118,6 +120,7 @@ class Scheduler:
             self.wait(last)
             replies += self.process(last)
         return out, replies
+        # <<< exercise 06.1
     # <<< ch06
 
     def receive(self) -> list[Reply]:
@@ -162,7 +165,9 @@ class Scheduler:
         # <<< ch06
         next_tokens = sample(self.runner.forward(batch), batch.reqs)
         # >>> ch05: the token stays on the device, where the next step reads it
+        # >>> exercise 05.1: keep the token on the device
         self.runner.tables.token_pool[batch.req_pool_indices, batch.seq_lens] = next_tokens.to(torch.int32)
+        # <<< exercise 05.1
         # <<< ch05
         # >>> ch06: GPU timestamps of the step (None on CPU)
         end = self.streams.timestamp()
@@ -190,6 +195,7 @@ class Scheduler:
         replies = []
         for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist()):
             # >>> exercise 04.2: handle a step's result
+            # >>> exercise 07.1: repair the naive result handling
             # >>> ch07 fix stale-reply: finished in an earlier handle, it was launched again; drop the token
             if req.finished:
                 continue
@@ -203,9 +209,16 @@ class Scheduler:
             #|     req.finish_reason = "stop" if token in req.stop_ids else "length"
             req.finish_reason = req.check_stop()
             # <<< ch07
+            # >>> ch06 replaces ch04: in the overlap loop a finished request comes back once, in the step launched before it finished
+            #| if req.finished:
+            # >>> ch07 fix stale-reply replaces ch06: it was skipped above; only a request finished now gets here
+            #| if req.finished and req in self.running:     # free it once (its token is still appended and replied)
             if req.finished:
+            # <<< ch07
+            # <<< ch06
                 self.free(req)
             replies.append(Reply(req.uid, [token], req.finished, req.finish_reason))
+            # <<< exercise 07.1
             # <<< exercise 04.2
         self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
         self.trace.record("reply", out.step, [r.uid for r in replies])

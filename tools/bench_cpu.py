@@ -1,0 +1,123 @@
+"""CPU benchmark: minioverlap against transformers' batched `generate`, on the same CPU, in one run.
+
+    python tools/bench_cpu.py                       # 16 requests of 64 new tokens, 3 timed runs each
+    python tools/bench_cpu.py --requests 8 --tokens 128 --repeats 5 --threads 1
+
+Each contender serves the same requests with the tiny model in fp32: N different code prompts, each
+generating exactly T new tokens (greedy; minioverlap with ignore_eos, transformers with min_new_tokens
+= max_new_tokens), so each produces N * T tokens. minioverlap runs both of its loops, the normal loop
+(chapter 04) and the overlap loop (chapter 06): a ragged prefill, then one batched decode step per
+token. transformers runs the prompts as one left-padded batch with an attention mask. Every contender
+is warmed up once, then they take turns for --repeats runs, so a change in the machine's load hits all
+alike. The table reports the median wall time of each as tokens/s, the ratios to transformers, and
+the median CPU time of the process (which, with one thread, leaves out the time spent waiting for a
+core on a busy machine). It also prints the normal loop's mean host time per phase of a step
+(llm.trace.phase_times_us()): on a CPU `launch` runs the whole step, as there is no device to queue
+the work on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging
+
+from minioverlap import LLM, SamplingParams
+
+PROMPTS = [
+    "def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n", "for i in range(10):",
+    "def read_lines(path):", "class Point:", "x = [1, 2, 3]\nprint(", "def parse_args(argv):",
+    "with open(filename) as f:", "try:\n    import json\nexcept ImportError:", "def __repr__(self):",
+    "if __name__ == '__main__':", "class Node:\n    def __init__(self, value):", "def quicksort(items):",
+    "while True:\n    line = input()", "def test_add(self):",
+]
+
+
+def run_minioverlap(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
+    """All prompts at once through the scheduler: one ragged prefill, then one decode step per token."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    assert all(len(o.token_ids) == tokens for o in outs)
+
+
+def run_transformers(model, prompts: list[list[int]], tokens: int) -> None:
+    """One left-padded batch: pad tokens on the left, masked out, so every prompt ends at the last column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                             min_new_tokens=tokens, max_new_tokens=tokens)
+    assert out.shape == (len(prompts), width + tokens)
+
+
+def timed(run: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one run."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    run()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16, help=f"concurrent requests (at most {len(PROMPTS)})")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each, taking turns")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    args = parser.parse_args()
+    if not 1 <= args.requests <= len(PROMPTS):
+        parser.error(f"--requests must be in [1, {len(PROMPTS)}], got {args.requests}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    loops = {"normal": LLM(model="tiny", max_running=args.requests, overlap=False),
+             "overlap": LLM(model="tiny", max_running=args.requests, overlap=True)}
+    logging.set_verbosity_error()          # the tiny checkpoint's MTP tensors are reported as unused
+    logging.disable_progress_bar()
+    hf = AutoModelForCausalLM.from_pretrained(str(loops["normal"].model_dir), dtype=torch.float32).eval()
+    prompts = [loops["normal"].encode(p) for p in PROMPTS[:args.requests]]   # the same token ids for all
+    runs = {f"minioverlap {loop}": partial(run_minioverlap, llm, prompts, args.tokens) for loop, llm in loops.items()}
+    runs["transformers"] = partial(run_transformers, hf, prompts, args.tokens)
+
+    for run in runs.values():              # warm-up
+        run()
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):          # take turns, so that a change in load hits every contender
+        for name, run in runs.items():
+            w, c = timed(run)
+            wall[name].append(w)
+            cpu[name].append(c)
+
+    total = args.requests * args.tokens
+    tok_s = {name: total / statistics.median(t) for name, t in wall.items()}
+    ratios = {loop: tok_s[f"minioverlap {loop}"] / tok_s["transformers"] for loop in loops}
+    print(f"{args.requests} requests x {args.tokens} new tokens, tiny model, fp32, {torch.get_num_threads()} "
+          f"torch threads, median of {args.repeats} runs each")
+    print(f"  {'':20s} {'wall s':>8s} {'tokens/s':>9s} {'CPU s':>8s}")
+    for name in runs:
+        print(f"  {name:20s} {statistics.median(wall[name]):8.3f} {tok_s[name]:9.0f} {statistics.median(cpu[name]):8.3f}")
+    for loop, ratio in ratios.items():
+        print(f"  minioverlap {loop} / transformers: {ratio:.2f}x")
+    phases = loops["normal"].trace.phase_times_us()
+    steps = len({e.step for e in loops["normal"].trace})
+    print(f"the normal loop, mean host time per phase of a step ({steps} steps):")
+    for kind, us in phases.items():
+        print(f"  {kind:9s} {us:9.0f} us")
+    print(json.dumps({"requests": args.requests, "tokens": args.tokens, "repeats": args.repeats,
+                      "threads": torch.get_num_threads(),
+                      "wall_s": {k: [round(s, 3) for s in v] for k, v in wall.items()},
+                      "cpu_s": {k: [round(s, 3) for s in v] for k, v in cpu.items()},
+                      "tokens_per_s": {k: round(v, 1) for k, v in tok_s.items()},
+                      "ratio": {k: round(v, 3) for k, v in ratios.items()},
+                      "normal_loop_phase_us": {k: round(v, 1) for k, v in phases.items()}}))
+
+
+if __name__ == "__main__":
+    main()
