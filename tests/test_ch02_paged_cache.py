@@ -28,7 +28,8 @@ def test_paged_tokens_equal_contiguous(page_size):
 
 @pytest.mark.parametrize("page_size", [1, 3])
 def test_paged_tokens_equal_contiguous_on_a_gqa_checkpoint(tmp_path, page_size):
-    """The same on a random 4:1 GQA checkpoint, pages not dividing the prompt evenly."""
+    """The same on a random 4:1 GQA checkpoint, with pages of one token and of three (which do not
+    divide the 10-token prompt evenly)."""
     llm = LLM(model=str(random_checkpoint(tmp_path / "m", num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
               page_size=page_size)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]

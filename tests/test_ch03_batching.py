@@ -12,7 +12,7 @@ from minioverlap.engine.forward_batch import ForwardMode
 from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import sample_one
 
-MIXED = CODE_PROMPTS + ["a", "def " * 30]          # 1 to 60 tokens
+MIXED = CODE_PROMPTS + ["a", "def " * 30]          # 1 to 31 tokens
 
 
 @pytest.fixture(scope="module")

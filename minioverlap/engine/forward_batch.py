@@ -44,7 +44,7 @@ class ForwardBatch:
     prefix_lens: list[int]
     extend_lens: list[int]
     rows: list[int]              # the request slots this step reads and writes (host copy)
-    pages: list[int]             # the pages it reads and writes: they stay taken until it is handled
+    pages: list[int]             # the pages of its requests, whose KV slots it reads and writes
 
     @property
     def max_seq_len(self) -> int:

@@ -34,8 +34,8 @@ class Req:
         return self.finish_reason is not None
 
     def check_stop(self) -> str | None:
-        """The stop rules, applied to the tokens received: a stop token (EOS unless ignore_eos, or one of
-        stop_token_ids) -> "stop"; max_tokens or the end of the context -> "length"."""
+        """The stop rules, applied to the tokens received: one of stop_ids -> "stop"; max_tokens or the
+        end of the context -> "length"."""
         if self.output_ids and self.output_ids[-1] in self.stop_ids:
             return "stop"
         return "length" if len(self.output_ids) >= self.max_new_tokens else None

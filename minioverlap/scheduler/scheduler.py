@@ -209,13 +209,13 @@ class Scheduler:
             #|     req.finish_reason = "stop" if token in req.stop_ids else "length"
             req.finish_reason = req.check_stop()
             # <<< ch07
-            # >>> ch06 replaces ch04: in the overlap loop a finished request comes back once, in the step launched before it finished
+            # >>> ch05 replaces ch04: launched one step ahead, a finished request comes back once, in the step launched before it finished
             #| if req.finished:
-            # >>> ch07 fix stale-reply replaces ch06: it was skipped above; only a request finished now gets here
+            # >>> ch07 fix stale-reply replaces ch05: it was skipped above; only a request finished now gets here
             #| if req.finished and req in self.running:     # free it once (its token is still appended and replied)
             if req.finished:
             # <<< ch07
-            # <<< ch06
+            # <<< ch05
                 self.free(req)
             replies.append(Reply(req.uid, [token], req.finished, req.finish_reason))
             # <<< exercise 07.1
