@@ -383,6 +383,8 @@ def cmd_check(root: Path, jobs: int) -> int:
         todo = [v for v in todo if not v.problems]
         stubs = build_stubs(root, todo, Path(tmp))
         chapters = sorted({v.ex.chapter for v in todo})
+        if jobs > 1:     # runs side by side: one thread each, or torch's threads oversubscribe the cores
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
         with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:  # the pytest runs, side by side
             stub_runs = {ex_id: pool.submit(prove_stub, verdicts[ex_id].ex, stub)
                          for ex_id, stub in stubs.items()}
