@@ -49,5 +49,6 @@ def test_the_sampler_writes_the_next_input_into_token_pool():
     sched.wait(out)
     sched.process(out)
     nxt = sched.schedule()
+    sched.launch(nxt)
     assert nxt.input_ids.tolist() == [req.output_ids[-1]] and nxt.positions.tolist() == [req.seq_len - 1]
     assert torch.equal(nxt.input_ids.cpu(), out.next_tokens.cpu())

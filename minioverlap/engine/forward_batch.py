@@ -36,7 +36,7 @@ class ForwardMode(Enum):
 class ForwardBatch:
     mode: ForwardMode
     reqs: list[Req]
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor | None   # from chapter 03 read from token_pool as the step runs
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
@@ -45,6 +45,10 @@ class ForwardBatch:
     extend_lens: list[int]
     rows: list[int]              # the request slots this step reads and writes (host copy)
     pages: list[int]             # the pages of its requests, whose KV slots it reads and writes
+    last_index: torch.Tensor     # [B] where each request's last token sits in the batch
+    # >>> ch03: the inputs are read from token_pool
+    token_rows: torch.Tensor | None = None   # [T] the token_pool row each token's input is read from
+    # <<< ch03
 
     @property
     def max_seq_len(self) -> int:
@@ -76,12 +80,17 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    # >>> ch03 replaces ch02: the inputs are read from token_pool, on the device
+    # >>> ch03 replaces ch02: the inputs are read from token_pool when the step runs (ModelRunner.forward)
     #| input_ids = tensor([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
     #|                     for t in (r.prompt_ids + r.output_ids)[start:start + n]])
-    token_rows = tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)])
-    input_ids = tables.token_pool[token_rows, tensor(positions)].long()
+    input_ids = None
     # <<< ch03
     rows = [r.row for r in reqs]
-    return ForwardBatch(mode, reqs, input_ids, tensor(positions), tensor(loc), tensor(rows),
-                        tensor([r.seq_len for r in reqs]), prefix_lens, extend_lens, rows, [p for r in reqs for p in r.pages])
+    last_index = tensor([sum(extend_lens[:i + 1]) - 1 for i in range(len(reqs))])
+    batch = ForwardBatch(mode, reqs, input_ids, tensor(positions), tensor(loc), tensor(rows),
+                         tensor([r.seq_len for r in reqs]), prefix_lens, extend_lens, rows,
+                         [p for r in reqs for p in r.pages], last_index)
+    # >>> ch03: the inputs are read from token_pool
+    batch.token_rows = tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)])
+    # <<< ch03
+    return batch

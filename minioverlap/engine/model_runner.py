@@ -35,12 +35,13 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch; returns the logits [B, vocab] of each request's last token."""
         ctx = PagedAttention(self.kv_pool, self.tables.req_to_token, batch)
+        # >>> ch03: the inputs, read from token_pool here, in the step's own stream order
+        # NOTE: from chapter 06 the previous step's sampler writes these tokens on the forward stream;
+        # reading them here, on the same stream, orders the read after the write.
+        batch.input_ids = self.tables.token_pool[batch.token_rows, batch.positions].long()
+        # <<< ch03
         hidden = self.model(batch.input_ids, batch.positions, ctx)
-        ends, total = [], 0
-        for n in batch.extend_lens:
-            total += n
-            ends.append(total - 1)
-        return self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
+        return self.model.compute_logits(hidden[batch.last_index])
 
     # >>> ch03: request slots for many requests
     def admit(self, req: Req) -> None:
