@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minioverlap import LLM, SamplingParams
+from minioverlap import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_ch07_one_step_late import Plan, Received, run_clients, watch_slot_reuse  # noqa: E402
+from test_ch07_one_step_late import Plan, Received, random_plans, run_clients, watch_slot_reuse  # noqa: E402
 
 SCHEDULES = 100
 MAX_SEQ_LEN = 32
@@ -50,15 +50,8 @@ def engines():
 
 
 def random_schedule(rng: random.Random, stops: list[int]) -> list[Plan]:
-    plans = []
-    for i in range(rng.randint(2, 5)):
-        params = SamplingParams(max_tokens=rng.randint(1, 8), ignore_eos=True,
-                                stop_token_ids=tuple(rng.sample(stops, rng.randint(0, 2))),
-                                temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randint(0, 999))
-        prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, 12))]
-        plans.append(Plan(prompt, params, arrive_after=0 if i < 2 else rng.randint(1, 8),
-                          abort_after=rng.choice([None, None, rng.randint(1, 4)])))
-    return plans
+    """Smaller than chapter 07's: up to 5 clients, 8 tokens, 12-token prompts."""
+    return random_plans(rng, stops, clients=5, max_tokens=8, prompt_len=12, arrive=8, abort=4)
 
 
 def serve(llm: LLM, violations: list[str], plans: list[Plan], where: str) -> list[Received]:

@@ -152,15 +152,17 @@ def test_abort_in_flight_frees_once_and_discards_the_result():
 
 # ---- everything at once: random schedules
 
-def random_plans(rng: random.Random, stops: list[int]) -> list[Plan]:
+def random_plans(rng: random.Random, stops: list[int], *, clients: int = 6, max_tokens: int = 14,
+                 prompt_len: int = 24, arrive: int = 12, abort: int = 6) -> list[Plan]:
+    """2..clients clients; each limit is the largest value drawn for that choice."""
     plans = []
-    for i in range(rng.randint(2, 6)):
-        params = SamplingParams(max_tokens=rng.randint(1, 14), ignore_eos=True,
+    for i in range(rng.randint(2, clients)):
+        params = SamplingParams(max_tokens=rng.randint(1, max_tokens), ignore_eos=True,
                                 stop_token_ids=tuple(rng.sample(stops, rng.randint(0, 2))),
                                 temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randint(0, 999))
-        prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, 24))]
-        plans.append(Plan(prompt, params, arrive_after=0 if i < 2 else rng.randint(1, 12),
-                          abort_after=rng.choice([None, None, rng.randint(1, 6)])))
+        prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, prompt_len))]
+        plans.append(Plan(prompt, params, arrive_after=0 if i < 2 else rng.randint(1, arrive),
+                          abort_after=rng.choice([None, None, rng.randint(1, abort)])))
     return plans
 
 
