@@ -49,10 +49,12 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     L >= every seq_len: how many positions of each row to read (known on the host, no device read).
     The arithmetic is chapter 01's attention; PyTorch's fused SDPA does it here, twice as fast on a
     CPU as the einsum form, with enable_gqa sharing each KV head among its group of query heads.
+    index_select on the flat slot list is pool[loc] done 3x faster on a CPU.
     """
     # >>> exercise 02.1: batched decode attention
-    loc = req_to_token[rows, :L]                                   # [B, L] KV slots (stale past seq_len)
-    k, v = k_pool[loc].transpose(1, 2), v_pool[loc].transpose(1, 2)   # [B, Hkv, L, D]
+    B, slots = rows.shape[0], req_to_token[rows, :L].flatten()      # B*L KV slots (stale past seq_len)
+    k = k_pool.index_select(0, slots).view(B, L, *k_pool.shape[1:]).transpose(1, 2)    # [B, Hkv, L, D]
+    v = v_pool.index_select(0, slots).view(B, L, *v_pool.shape[1:]).transpose(1, 2)
     visible = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]            # [B, L]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
                                          enable_gqa=True)         # [B, Hq, 1, D]
