@@ -30,6 +30,9 @@ from minioverlap.sampling_params import SamplingParams
 from minioverlap.device.trace import Trace
 from minioverlap.scheduler.scheduler import Reply, Scheduler
 # <<< ch04
+# >>> ch08: the hazard checker
+from minioverlap.device.hazard import HazardChecker
+# <<< ch08
 
 Prompt = str | list[int]
 Params = SamplingParams | list[SamplingParams] | None
@@ -61,6 +64,9 @@ class LLM:
                  overlap: bool = True,
                  # <<< ch07
                  # <<< ch06
+                 # >>> ch08: the fence and the hazard checker
+                 fence: bool = True, hazard_check: bool = False,
+                 # <<< ch08
                  ) -> None:
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(device)
@@ -82,12 +88,22 @@ class LLM:
         pages_per_seq = -(-self.max_seq_len // page_size)
         num_pages = self.max_running * pages_per_seq + 1 if num_pages is None else num_pages
         _check_int("num_pages", num_pages, 2)
-        self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=page_size,
-                                  max_running=self.max_running, max_seq_len=self.max_seq_len)
+        # >>> ch08 replaces ch02: the hazard checker
+        #| self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=page_size,
+        #|                           max_running=self.max_running, max_seq_len=self.max_seq_len)
+        for name, value in (("fence", fence), ("hazard_check", hazard_check)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=page_size, max_running=self.max_running,
+                                  max_seq_len=self.max_seq_len, hazards=HazardChecker() if hazard_check else None)
+        # <<< ch08
         # <<< ch02
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04
+        # >>> ch08: fence=False only to show the race it prevents
+        self.scheduler.fence = fence
+        # <<< ch08
         # >>> ch06: the overlap loop
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")

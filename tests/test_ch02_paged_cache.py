@@ -96,7 +96,7 @@ def test_decode_attention_equals_attention_per_request():
         req_to_token[row, :n] = perm[start:start + n]
         start += n
     q = torch.randn(3, Hq, D)
-    out = decode_attention(q, k_pool, v_pool, req_to_token, torch.tensor([1, 2, 3]), torch.tensor(seq_lens), max(seq_lens))
+    out = decode_attention(q, k_pool, v_pool, req_to_token[1:4, :max(seq_lens)], torch.tensor(seq_lens))
     for i, n in enumerate(seq_lens):
         loc = req_to_token[i + 1, :n].long()
         ref = attention(q[i:i + 1], k_pool[loc], v_pool[loc], q_start=n - 1)

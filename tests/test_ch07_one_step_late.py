@@ -18,6 +18,9 @@ def watch_slot_reuse(llm: LLM) -> list[str]:
     """Record every request slot or page handed out while a launched, unhandled step still uses it.
     On a GPU that step may still be reading or writing it: the new owner's data would be corrupted."""
     sched, tables, alloc = llm.scheduler, llm.runner.tables, llm.runner.allocator
+    # >>> ch08: from chapter 08 the engine releases a slot at once, behind the fence; this watch checks chapter 07's guard
+    sched.defer_release = True
+    # <<< ch08
     take_row, take_pages, violations = tables.alloc, alloc.alloc, []
 
     def row_alloc() -> int:

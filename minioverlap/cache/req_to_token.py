@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import torch
 
+# >>> ch08: the checker, and no blocking on the schedule stream
+from minioverlap.device.hazard import HazardChecker
+from minioverlap.device.streams import to_device
+# <<< ch08
+
 
 class ReqToTokenPool:
     def __init__(self, max_running: int, max_seq_len: int, device: str | torch.device) -> None:
@@ -20,6 +25,9 @@ class ReqToTokenPool:
         # <<< ch03
         self.free_rows = list(range(max_running, 0, -1))      # row 0 is never handed out
         self.is_free = [False] + [True] * max_running
+        # >>> ch08: the checker
+        self.hazards: HazardChecker | None = None
+        # <<< ch08
 
     @property
     def num_free(self) -> int:
@@ -42,10 +50,22 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, kv_slots: list[int]) -> None:
         """Record the KV slots of positions start.. of the request in `row`."""
-        self.req_to_token[row, start:start + len(kv_slots)] = torch.tensor(kv_slots, dtype=torch.int32)
+        # >>> ch08 replaces ch02: never block on the schedule stream; tell the checker
+        #| self.req_to_token[row, start:start + len(kv_slots)] = torch.tensor(kv_slots, dtype=torch.int32)
+        self.req_to_token[row, start:start + len(kv_slots)] = to_device(kv_slots, torch.int32, self.req_to_token.device)
+        if self.hazards:
+            self.hazards.access("req_to_token", [(row, i) for i in range(start, start + len(kv_slots))], "write",
+                                f"the scheduler writes the KV slots of row {row}")
+        # <<< ch08
     # >>> ch03: the tokens themselves
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         """Record token ids at positions start.. of the request in `row` (its prompt, or a new token)."""
-        self.token_pool[row, start:start + len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
+        # >>> ch08 replaces ch03: never block on the schedule stream; tell the checker
+        #| self.token_pool[row, start:start + len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
+        self.token_pool[row, start:start + len(token_ids)] = to_device(token_ids, torch.int32, self.token_pool.device)
+        if self.hazards:
+            self.hazards.access("token_pool", [(row, i) for i in range(start, start + len(token_ids))], "write",
+                                f"the scheduler writes tokens into row {row}")
+        # <<< ch08
     # <<< ch03

@@ -8,35 +8,67 @@ not by the host.
                      so a step sees every write made for it
 
 On CPU both are no-ops: the same code runs in the same order, one operation after another.
+# >>> ch08: the checker
+From chapter 08 the same calls drive the hazard checker when there is one: it is told which stream
+the work goes to, each event recorded or waited for, and each time the host waits.
+# <<< ch08
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+# >>> ch08: events the checker sees
+from dataclasses import dataclass
+# <<< ch08
 
 import torch
 
+# >>> ch08: the checker
+from minioverlap.device.hazard import Clock, HazardChecker
+# <<< ch08
+# >>> ch08: events the checker sees
+
+
+@dataclass
+class Event:
+    """A point on a stream: a CUDA event on a GPU, and the checker's clock there if it is on."""
+    cuda: torch.cuda.Event | None
+    clock: Clock | None
+# <<< ch08
+
 
 class Streams:
-    def __init__(self, device: str | torch.device) -> None:
+    # >>> ch08 replaces ch06: the checker
+    #| def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, hazards: HazardChecker | None = None) -> None:
+        self.hazards = hazards
+        # <<< ch08
         self.cuda = torch.device(device).type == "cuda"
         if self.cuda:
             self.schedule_stream = torch.cuda.Stream(device)
             self.forward_stream = torch.cuda.Stream(device)
 
-    def schedule(self):
+    # >>> ch08 replaces ch06: the checker
+    #| def schedule(self):
+    #|     """Make the schedule stream current (the scheduler's loop runs inside this)."""
+    #|     return torch.cuda.stream(self.schedule_stream) if self.cuda else nullcontext()
+    @contextmanager
+    def schedule(self) -> Iterator[None]:
         """Make the schedule stream current (the scheduler's loop runs inside this)."""
-        return torch.cuda.stream(self.schedule_stream) if self.cuda else nullcontext()
+        with torch.cuda.stream(self.schedule_stream) if self.cuda else nullcontext(), self.on("schedule"):
+            yield
+    # <<< ch08
 
     @contextmanager
     def forward(self) -> Iterator[None]:
         """Run a step on the forward stream, after everything the schedule stream has queued so far."""
-        if not self.cuda:
-            yield
-            return
-        self.forward_stream.wait_stream(self.schedule_stream)
-        with torch.cuda.stream(self.forward_stream):
+        if self.cuda:
+            self.forward_stream.wait_stream(self.schedule_stream)
+        # >>> ch08 replaces ch06: the checker
+        #| with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext():
+        with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext(), self.on("forward", "schedule"):
+            # <<< ch08
             yield
 
     def timestamp(self) -> torch.cuda.Event | None:
@@ -46,3 +78,62 @@ class Streams:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+    # >>> ch08: events, the fence, host waits
+
+    def record(self, cuda: torch.cuda.Event | None = None) -> Event | None:
+        """An event on the current stream: everything queued there so far (`cuda`: one just recorded,
+        to use). None on a CPU with no checker."""
+        if not (self.cuda or self.hazards):
+            return None
+        if self.cuda and cuda is None:
+            cuda = torch.cuda.Event()
+            cuda.record()
+        return Event(cuda, self.hazards.record() if self.hazards else None)
+
+    def fence(self, shared_read_done: Event | None) -> None:
+        """The schedule stream waits until the step just launched has read the shared tables: for its
+        event if it recorded one, else for everything on the forward stream. The host does not wait."""
+        if shared_read_done is not None:
+            if shared_read_done.cuda is not None:
+                self.schedule_stream.wait_event(shared_read_done.cuda)
+            if shared_read_done.clock is not None:
+                self.hazards.wait_event(shared_read_done.clock)
+            return
+        if self.cuda:
+            self.schedule_stream.wait_stream(self.forward_stream)
+        if self.hazards:
+            self.hazards.wait_stream("forward")
+
+    def host_wait(self, event: Event | None, site: str) -> None:
+        """Block the host until the event has happened: the one kind of wait the loop allows."""
+        if event is None:
+            return
+        if event.cuda is not None:
+            event.cuda.synchronize()
+        if event.clock is not None:
+            self.hazards.host_wait(event.clock, site)
+
+    @contextmanager
+    def on(self, stream: str, after: str | None = None) -> Iterator[None]:
+        """Tell the checker that the work queued inside goes to `stream` (which first waits for `after`)."""
+        if not self.hazards:
+            yield
+            return
+        previous, self.hazards.current = self.hazards.current, stream
+        try:
+            if after:
+                self.hazards.wait_stream(after)
+            yield
+        finally:
+            self.hazards.current = previous
+    # <<< ch08
+# >>> ch08: never block on the schedule stream
+
+
+def to_device(values: list[int], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A host list as a device tensor, without making the host wait: on a GPU through pinned memory with a
+    non-blocking copy. (A copy from pageable memory synchronizes the current stream first, and behind
+    the fence the schedule stream may be waiting for a whole step.)"""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+# <<< ch08

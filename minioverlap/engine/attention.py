@@ -1,8 +1,9 @@
 # >>> ch02 file: attention through the page table
 """PagedAttention: the attention context of a ForwardBatch.
 
-Each layer writes this step's K and V into the KV pool at `out_cache_loc`, then reads every K and V
-of each request through its row of req_to_token:
+The step's page table (each request's row of req_to_token) is read once, when the context is made.
+Each layer then writes this step's K and V into the KV pool at `out_cache_loc` and reads every K and V
+of each request through the page table:
 
     EXTEND (ragged prefill): one request at a time, its new queries against its whole sequence;
     DECODE (batched): all requests at once, one query each, against K/V gathered into [B, L] and
@@ -21,38 +22,41 @@ from minioverlap.model.qwen3 import attention
 
 class PagedAttention:
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, batch: ForwardBatch) -> None:
-        self.kv_pool, self.req_to_token, self.batch = kv_pool, req_to_token, batch
+        """Read the step's page table once, here, before any layer runs: every layer reads the same slots."""
+        self.kv_pool, self.batch = kv_pool, batch
+        if batch.mode is ForwardMode.DECODE:                 # [B, L] KV slots, stale past each seq_len
+            self.page_table = req_to_token[batch.req_pool_indices, :batch.max_seq_len]
+        else:                                                # one row per request, up to its seq_len
+            self.page_table = [req_to_token[row, :p + n] for row, p, n in zip(batch.rows, batch.prefix_lens, batch.extend_lens)]
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_pool.store(layer_id, self.batch.out_cache_loc, k, v)
         if self.batch.mode is ForwardMode.DECODE:
-            b = self.batch
-            return decode_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.req_to_token,
-                                    b.req_pool_indices, b.seq_lens, b.max_seq_len)
+            return decode_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_table,
+                                    self.batch.seq_lens)
         return self.extend_attention(layer_id, q)
 
     def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
         """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, read through its row."""
         b, out, start = self.batch, [], 0
-        for row, prefix, n in zip(b.rows, b.prefix_lens, b.extend_lens):
-            loc = self.req_to_token[row, :prefix + n]
+        for loc, prefix, n in zip(self.page_table, b.prefix_lens, b.extend_lens):
             k, v = self.kv_pool.k[layer_id][loc], self.kv_pool.v[layer_id][loc]
             out.append(attention(q[start:start + n], k, v, q_start=prefix))
             start += n
         return torch.cat(out)
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
-                     rows: torch.Tensor, seq_lens: torch.Tensor, L: int) -> torch.Tensor:
-    """One query per request, q [B, Hq, D], against its K/V read through req_to_token -> [B, Hq, D].
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                     seq_lens: torch.Tensor) -> torch.Tensor:
+    """One query per request, q [B, Hq, D], against its K/V read through its page table -> [B, Hq, D].
 
-    L >= every seq_len: how many positions of each row to read (known on the host, no device read).
-    The arithmetic is chapter 01's attention; PyTorch's fused SDPA does it here, twice as fast on a
-    CPU as the einsum form, with enable_gqa sharing each KV head among its group of query heads.
-    index_select on the flat slot list is pool[loc] done 3x faster on a CPU.
+    page_table [B, L] holds each request's KV slots (L >= every seq_len; slots past a request's own
+    seq_len are stale). The arithmetic is chapter 01's attention; PyTorch's fused SDPA does it here,
+    twice as fast on a CPU as the einsum form, with enable_gqa sharing each KV head among its group
+    of query heads. index_select on the flat slot list is pool[page_table], 3x faster on a CPU.
     """
     # >>> exercise 02.1: batched decode attention
-    B, slots = rows.shape[0], req_to_token[rows, :L].flatten()      # B*L KV slots (stale past seq_len)
+    (B, L), slots = page_table.shape, page_table.flatten()
     k = k_pool.index_select(0, slots).view(B, L, *k_pool.shape[1:]).transpose(1, 2)    # [B, Hkv, L, D]
     v = v_pool.index_select(0, slots).view(B, L, *v_pool.shape[1:]).transpose(1, 2)
     visible = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]            # [B, L]

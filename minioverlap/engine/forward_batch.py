@@ -24,6 +24,9 @@ import torch
 
 from minioverlap.cache.allocator import PageAllocator
 from minioverlap.cache.req_to_token import ReqToTokenPool
+# >>> ch08: never block on the schedule stream
+from minioverlap.device.streams import to_device
+# <<< ch08
 from minioverlap.engine.request import Req
 
 
@@ -49,6 +52,9 @@ class ForwardBatch:
     # >>> ch03: the inputs are read from token_pool
     token_rows: torch.Tensor | None = None   # [T] the token_pool row each token's input is read from
     # <<< ch03
+    # >>> ch08: a prefill writes its own prompt
+    prompt_tokens: torch.Tensor | None = None   # [T] EXTEND: the tokens the step writes into token_pool
+    # <<< ch08
 
     @property
     def max_seq_len(self) -> int:
@@ -78,7 +84,10 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     positions = [p for start, n in zip(prefix_lens, extend_lens) for p in range(start, start + n)]
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        # >>> ch08 replaces ch02: never block on the schedule stream
+        #| return torch.tensor(values, dtype=torch.int64, device=device)
+        return to_device(values, torch.int64, device)
+        # <<< ch08
 
     # >>> ch03 replaces ch02: the inputs are read from token_pool when the step runs (ModelRunner.forward)
     #| input_ids = tensor([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
@@ -93,4 +102,9 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     # >>> ch03: the inputs are read from token_pool
     batch.token_rows = tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)])
     # <<< ch03
+    # >>> ch08: a prefill writes its own prompt
+    if mode is ForwardMode.EXTEND:
+        batch.prompt_tokens = to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
+                                         for t in r.prompt_ids[start:start + n]], torch.int32, device)
+    # <<< ch08
     return batch

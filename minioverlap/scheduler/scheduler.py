@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-# >>> ch06: the two streams
-from minioverlap.device.streams import Streams
-# <<< ch06
+# >>> ch08: events the checker sees
+from minioverlap.device.streams import Event
+# <<< ch08
 from minioverlap.device.trace import Trace
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 from minioverlap.engine.model_runner import ModelRunner
@@ -50,7 +50,10 @@ class StepOutput:
     batch: ForwardBatch
     next_tokens: torch.Tensor            # [B] on the device
     next_tokens_cpu: torch.Tensor        # [B] on the host, valid once copy_done has completed
-    copy_done: torch.cuda.Event | None   # None on CPU, where the copy is done when it returns
+    # >>> ch08 replaces ch04: an event the checker sees too
+    #| copy_done: torch.cuda.Event | None   # None on CPU, where the copy is done when it returns
+    copy_done: torch.cuda.Event | Event | None   # None on CPU with no checker: the copy is done when it returns
+    # <<< ch08
     # >>> ch06: GPU timestamps of the step (None on CPU)
     gpu_events: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)   # start, end
     # <<< ch06
@@ -69,9 +72,13 @@ class Scheduler:
         self.trace = Trace()
         self.step = 0
         # >>> ch06: the overlap loop
-        self.streams = Streams(runner.device)
+        self.streams = runner.streams
         self.in_flight: list[StepOutput] = []     # launched, not yet handled
         # <<< ch06
+        # >>> ch08: the guards of the shared tables (chapter 08 says which orders which write)
+        self.fence = True              # the schedule stream waits for each launched step's shared reads
+        self.defer_release = False     # chapter 07's guard: keep a finished request's slot until its step is handled
+        # <<< ch08
         # >>> ch07 fix slot-reuse: requests whose slot and pages wait for an in-flight step to be handled
         self.deferred: list[tuple[int, Req]] = []   # (the step that must be handled first, the request)
         # <<< ch07
@@ -135,6 +142,10 @@ class Scheduler:
 
     def schedule(self) -> ForwardBatch | None:
         """Prefill newly admitted requests if any fit, else decode every running request."""
+        # >>> ch08: the checker names the step in its reports
+        if self.runner.hazards:
+            self.runner.hazards.step = self.step + 1
+        # <<< ch08
         new = self.admit()
         # >>> ch06 replaces ch04: only requests that may take another step (the CPU counts what it launched)
         #| decode = list(self.running)
@@ -155,6 +166,12 @@ class Scheduler:
             out = self.run_step(batch)
         self.in_flight.append(out)
         # <<< ch06
+        # >>> ch08: the fence: what the scheduler queues from now on runs after this step's shared reads
+        # >>> exercise 08.1: place the fence
+        if self.fence:
+            self.streams.fence(self.runner.shared_read_done)
+        # <<< exercise 08.1
+        # <<< ch08
         self.trace.record("launch", self.step, [r.uid for r in batch.reqs])
         return out
 
@@ -168,19 +185,30 @@ class Scheduler:
         # >>> exercise 05.1: keep the token on the device
         self.runner.tables.token_pool[batch.req_pool_indices, batch.seq_lens] = next_tokens.to(torch.int32)
         # <<< exercise 05.1
+        # >>> ch08: the checker
+        if self.runner.hazards:
+            self.runner.hazards.access("token_pool", [(row, p + n) for row, p, n in zip(batch.rows, batch.prefix_lens, batch.extend_lens)],
+                                       "write", "the sampler writes the next input tokens")
+        # <<< ch08
         # <<< ch05
         # >>> ch06: GPU timestamps of the step (None on CPU)
         end = self.streams.timestamp()
         # <<< ch06
         cpu, copy_done = copy_to_host(next_tokens)
+        # >>> ch08: the checker sees the copy-done event too
+        copy_done = self.streams.record(copy_done)
+        # <<< ch08
         # >>> ch06 replaces ch04: GPU timestamps of the step (None on CPU)
         #| return StepOutput(self.step, batch, next_tokens, cpu, copy_done)
         return StepOutput(self.step, batch, next_tokens, cpu, copy_done, (start, end))
         # <<< ch06
 
     def wait(self, out: StepOutput) -> None:
-        if out.copy_done is not None:
-            out.copy_done.synchronize()           # the one place the host waits for the device
+        # >>> ch08 replaces ch04: the checker records the host's wait
+        #| if out.copy_done is not None:
+        #|     out.copy_done.synchronize()           # the one place the host waits for the device
+        self.streams.host_wait(out.copy_done, f"the host waits for step {out.step}'s tokens")   # the only host wait
+        # <<< ch08
         self.trace.record("wait", out.step, [r.uid for r in out.batch.reqs])
 
     def process(self, out: StepOutput) -> list[Reply]:
@@ -266,7 +294,10 @@ class Scheduler:
     def free(self, req: Req) -> None:
         self.running.remove(req)
         # >>> ch07 fix slot-reuse: a launched step still writes its row and pages: keep them until it is handled
-        if self.in_flight:
+        # >>> ch08 replaces ch07: only if asked: the fence and the prefill's own prompt write make release at once safe
+        #| if self.in_flight:
+        if self.defer_release and self.in_flight:
+            # <<< ch08
             self.deferred.append((self.in_flight[-1].step, req))
             return
         # <<< ch07

@@ -1,0 +1,195 @@
+"""Chapter 08: the fence and the stream hazard checker. The checker's rules on their own; silence over
+chapter 07's random schedules with the engine's defaults; and, for each guard of a shared write, the
+scenario in which removing that guard alone makes the checker raise, naming the table and the elements."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minioverlap import LLM, SamplingParams
+from minioverlap.device.hazard import HazardChecker, HazardError
+from minioverlap.device.streams import Streams
+from test_ch07_one_step_late import Plan, random_plans, run_clients, stop_token_after
+
+
+# ---- the checker's rules
+
+def test_stream_order_events_and_host_waits_order_accesses():
+    h = HazardChecker()
+    h.current = "forward"
+    h.access("t", [(1, 0)], "read", "step reads")
+    h.access("t", [(1, 0)], "write", "same stream: in order")       # stream order: no race
+    done = h.record()
+    h.current = "schedule"
+    with pytest.raises(HazardError, match=r"t row 1, position 0: write on the schedule stream .* and write on the forward stream"):
+        h.access("t", [(1, 0)], "write", "unordered")
+    h.wait_event(done)                                                # an event wait orders it
+    h.access("t", [(1, 0)], "write", "after the event")
+    h.current = "forward"
+    h.access("t", [(1, 1)], "write", "forward again")
+    h.host_wait(h.record(), "host sync")                              # the host has seen it finish ...
+    h.current = "schedule"
+    h.access("t", [(1, 1)], "read", "queued after the host sync")    # ... so what it queues next follows
+    assert h.host_waits == ["host sync"]
+
+
+def test_appending_to_a_row_the_step_reads_is_no_race():
+    """Element granularity: the scheduler writes position 5 of a row whose positions 0..4 a running
+    step reads. Writing position 4 instead is a race, and the report says which element."""
+    h = HazardChecker()
+    h.current = "forward"
+    h.access("req_to_token", [(3, i) for i in range(5)], "read", "the step reads the page table")
+    h.current = "schedule"
+    h.access("req_to_token", [(3, 5)], "write", "append")
+    with pytest.raises(HazardError, match=r"req_to_token row 3, position 4: write .* read on the forward stream"):
+        h.access("req_to_token", [(3, 4)], "write", "overwrite")
+
+
+def test_the_fence_waits_for_the_event_or_else_for_the_whole_forward_stream():
+    """With an event declared, the schedule stream follows the reads before it, not the writes after;
+    with none, it follows everything queued on the forward stream."""
+    for declared in (True, False):
+        h = HazardChecker()
+        streams = Streams("cpu", h)
+        with streams.schedule():
+            with streams.forward():
+                h.access("token_pool", [(1, 0)], "read", "the step reads")
+                read_done = streams.record()
+                h.access("token_pool", [(1, 1)], "write", "the sampler writes")
+            streams.fence(read_done if declared else None)
+            h.access("token_pool", [(1, 0)], "write", "the scheduler rewrites what was read")   # ordered either way
+            if declared:
+                with pytest.raises(HazardError, match="token_pool row 1, position 1"):
+                    h.access("token_pool", [(1, 1)], "write", "the scheduler rewrites what the sampler wrote")
+            else:
+                h.access("token_pool", [(1, 1)], "write", "the scheduler rewrites what the sampler wrote")
+
+
+# ---- the engine with its defaults
+
+@pytest.mark.parametrize("seed", range(6))
+def test_defaults_are_silent_over_random_schedules(seed):
+    """Chapter 07's random schedules with the checker on: no HazardError in either loop, the same
+    replies as without the checker, and the only host waits are the copy-done waits, one per step."""
+    rng = random.Random(seed)
+    engine = dict(page_size=rng.choice([1, 2, 4, 16]), max_running=rng.randint(1, 4), max_seq_len=64)
+    engine["num_pages"] = 64 // engine["page_size"] * rng.randint(1, 3) + 1
+    plain = LLM(model="tiny", **engine)
+    stops = [plain.encode(s)[0] for s in ("\n", "(", " =", ":", ",")]
+    plans = random_plans(rng, stops)
+    expected = run_clients(plain, plans)
+    for overlap in (False, True):
+        llm = LLM(model="tiny", **engine, overlap=overlap, hazard_check=True)
+        assert run_clients(llm, plans) == expected
+        steps = max(e.step for e in llm.trace)
+        assert sorted(llm.runner.hazards.host_waits) == sorted(f"the host waits for step {n}'s tokens"
+                                                               for n in range(1, steps + 1))
+        llm.check_integrity()
+
+
+def test_the_fence_opens_after_the_step_reads_not_at_its_end():
+    """After a launch, the schedule stream follows the step's shared reads but not its sampler write:
+    the scheduler's next writes may run while the step computes."""
+    llm = LLM(model="tiny", hazard_check=True)
+    sched, h = llm.scheduler, llm.runner.hazards
+    sched.add_request(llm.make_requests("def f(x):", SamplingParams(max_tokens=2))[0])
+    with llm.runner.streams.schedule():
+        last, _ = sched.overlap_loop(None)                  # step 1 launched, fenced
+    read_done = llm.runner.shared_read_done.clock["forward"]
+    assert h.clocks["schedule"]["forward"] == read_done < h.clocks["forward"]["forward"]
+
+
+def test_hazard_check_off_costs_nothing():
+    llm = LLM(model="tiny")
+    assert llm.runner.hazards is None and llm.runner.tables.hazards is None and llm.runner.streams.record() is None
+    checked = LLM(model="tiny", hazard_check=True)
+    prompts, params = ["def f(x):", "import os\n"], SamplingParams(max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in checked.generate(prompts, params)] == [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("field, value", [("fence", "yes"), ("hazard_check", 1)])
+def test_bad_guard_flags_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be True or False, got {value!r}"):
+        LLM(model="tiny", **{field: value})
+
+
+# ---- each guard, removed alone
+
+def slot_handover(*, fence: bool = True, defer_release: bool = False, prompt_on_forward_stream: bool = True,
+                  overlap: bool = True) -> tuple[HazardError | None, int, int]:
+    """One request slot. A finishes on a stop token at step k; step k+1, which still reads and writes A's
+    row, is in flight when the row could go to B, whose prompt is longer than A's sequence.
+    Returns (the checker's error or None, A's length in step k+1, B's prompt length)."""
+    llm = LLM(model="tiny", overlap=overlap, max_running=1, page_size=4, hazard_check=True, fence=fence)
+    llm.scheduler.defer_release = defer_release
+    llm.runner.prompt_on_forward_stream = prompt_on_forward_stream
+    a, b = llm.encode("def f(x):"), llm.encode("class Stack:\n    def __init__(self):\n        self.items = []")
+    plans = [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop_token_after(llm, a, 2),))),
+             Plan(b, SamplingParams(max_tokens=4, ignore_eos=True))]
+    try:
+        got = run_clients(llm, plans)
+    except HazardError as error:
+        return error, -1, len(b)
+    assert got[0].finish_reason == "stop"
+    return None, len(a) + len(got[0].tokens), len(b)
+
+
+def test_every_guard_in_place_silence():
+    for guards in ({}, {"defer_release": True}, {"fence": False, "defer_release": True},
+                   {"prompt_on_forward_stream": False, "defer_release": True}, {"overlap": False, "fence": False}):
+        error, a_len, b_len = slot_handover(**guards)
+        assert error is None, guards
+        assert b_len > a_len          # B's prompt covers every position of A's row
+
+
+def test_fence_off_the_scheduler_rewrites_a_page_table_the_step_still_reads():
+    """Release at once with no fence: B's KV slots go into row 1 while step k+1 may still read A's."""
+    _, a_len, _ = slot_handover()
+    error, _, _ = slot_handover(fence=False)
+    assert error is not None
+    assert str(error).startswith(f"req_to_token row 1, positions 0..{a_len - 1}: write on the schedule stream")
+    assert "the scheduler writes the KV slots of row 1" in str(error)
+    assert "read on the forward stream" in str(error) and "attention reads request 0's page table" in str(error)
+
+
+def test_deferral_reverted_with_no_fence_the_same_race():
+    """Chapter 07's guard alone (no fence) is enough; revert it and the same write races."""
+    assert slot_handover(fence=False, defer_release=True)[0] is None
+    error, _, _ = slot_handover(fence=False, defer_release=False)
+    assert error is not None and str(error).startswith("req_to_token row 1, positions 0..")
+
+
+def test_prompt_written_on_the_schedule_stream_races_with_the_sampler():
+    """The fence opens after the step's reads, before its sampler writes A's next token into
+    token_pool. B's prompt, written by the scheduler, may land before or after that write."""
+    _, a_len, _ = slot_handover()
+    error, _, _ = slot_handover(prompt_on_forward_stream=False)
+    assert error is not None
+    assert str(error).startswith(f"token_pool row 1, position {a_len}: write on the schedule stream")
+    assert "write on the forward stream" in str(error) and "the sampler writes the next input tokens" in str(error)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_launch_path_never_blocks_the_host():
+    """On a GPU: schedule and launch run under torch.cuda.set_sync_debug_mode('error'), so any call
+    that makes the host wait for the device raises. The copy-done wait is outside them, in `wait`."""
+    llm = LLM(model="tiny", device="cuda", dtype="float32")
+    sched = llm.scheduler
+    schedule, launch = sched.schedule, sched.launch
+
+    def strict(fn):
+        def run(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+
+    llm.generate(["warm up"], SamplingParams(max_tokens=2))          # lazy CUDA initialisation out of the way
+    sched.schedule, sched.launch = strict(schedule), strict(launch)
+    outs = llm.generate(["def f(x):", "import os\n"], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
