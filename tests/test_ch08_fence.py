@@ -5,6 +5,7 @@ scenario in which removing that guard alone makes the checker raise, naming the 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -84,9 +85,10 @@ def test_defaults_are_silent_over_random_schedules(seed):
     for overlap in (False, True):
         llm = LLM(model="tiny", **engine, overlap=overlap, hazard_check=True)
         assert run_clients(llm, plans) == expected
-        steps = max(e.step for e in llm.trace)
-        assert sorted(llm.runner.hazards.host_waits) == sorted(f"the host waits for step {n}'s tokens"
-                                                               for n in range(1, steps + 1))
+        waits = llm.runner.hazards.host_waits               # of every run (a late client gets a run of its own)
+        assert all(re.fullmatch(r"the host waits for step \d+'s tokens", w) for w in waits)
+        steps = max(e.step for e in llm.trace)              # the last run: one wait per step, no other
+        assert sorted(waits[-steps:]) == sorted(f"the host waits for step {n}'s tokens" for n in range(1, steps + 1))
         llm.check_integrity()
 
 
@@ -104,7 +106,9 @@ def test_the_fence_opens_after_the_step_reads_not_at_its_end():
 
 def test_hazard_check_off_costs_nothing():
     llm = LLM(model="tiny")
-    assert llm.runner.hazards is None and llm.runner.tables.hazards is None and llm.runner.streams.record() is None
+    assert llm.runner.hazards is None and llm.runner.tables.hazards is None and llm.runner.streams.hazards is None
+    if llm.runner.device.type == "cpu":
+        assert llm.runner.streams.record() is None         # no event at all: nothing to wait for on a CPU
     checked = LLM(model="tiny", hazard_check=True)
     prompts, params = ["def f(x):", "import os\n"], SamplingParams(max_tokens=6, ignore_eos=True)
     assert [o.token_ids for o in checked.generate(prompts, params)] == [o.token_ids for o in llm.generate(prompts, params)]
