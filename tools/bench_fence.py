@@ -1,0 +1,101 @@
+"""What the guards of chapter 08 do on a real GPU (needs CUDA).
+
+    python tools/bench_fence.py
+
+1. A race made visible. One request slot: A stops on its second token, B takes A's slot at once.
+   A delay planted on the GPU before the LM head (torch.cuda._sleep) holds every step's sampler back
+   by about 10 ms, so that the scheduler's unordered writes land first whenever they can. B's tokens
+   are compared with a run that has no delay and chapter 07's deferred release.
+2. What the fence costs. With about 2 ms planted per step, so that the GPU step outlasts the host's
+   work as on a larger model, the median GPU gap between steps of the overlap loop with the fence's
+   event (the default), with its fallback (the schedule stream waits for the whole forward stream),
+   with no fence, and each fence with blocking host-to-device copies on the schedule stream
+   (torch.tensor(..., device=...), from pageable memory) in place of `to_device`.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+import minioverlap.cache.req_to_token as req_to_token_module
+import minioverlap.engine.forward_batch as forward_batch_module
+from minioverlap import LLM, SamplingParams
+from minioverlap.device.streams import to_device
+
+PROMPT_A, PROMPT_B = "def f(x):", "class Stack:\n    def __init__(self):\n        self.items = []"
+CODE = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]
+
+
+def plant_delay(llm: LLM, cycles: int) -> None:
+    """Make every step spend `cycles` GPU clock cycles before its LM head (and so before its sampler)."""
+    logits = llm.model.compute_logits
+
+    def slow(hidden: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(cycles)
+        return logits(hidden)
+    llm.model.compute_logits = slow
+
+
+def handover(delay: bool, fence: bool = True, defer_release: bool = False,
+             prompt_on_forward_stream: bool = True) -> list[list[int]]:
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, fence=fence)
+    llm.scheduler.defer_release = defer_release
+    llm.runner.prompt_on_forward_stream = prompt_on_forward_stream
+    if delay:
+        plant_delay(llm, 20_000_000)
+    a = llm.encode(PROMPT_A)
+    stop = LLM(model="tiny").generate([a], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids[1]
+    outs = llm.generate([a, PROMPT_B], [SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)),
+                                        SamplingParams(max_tokens=8, ignore_eos=True)])
+    return [o.token_ids for o in outs]
+
+
+def pageable(values: list[int], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def gap_engine(variant: str) -> LLM:
+    llm = LLM(model="tiny", device="cuda", fence=variant != "no fence")
+    if variant.startswith("fallback"):
+        fence = llm.scheduler.streams.fence
+        llm.scheduler.streams.fence = lambda event: fence(None)
+    plant_delay(llm, 4_000_000)
+    return llm
+
+
+def median_gap(llm: LLM, blocking: bool) -> float:
+    req_to_token_module.to_device = forward_batch_module.to_device = pageable if blocking else to_device
+    try:
+        llm.generate(CODE, SamplingParams(max_tokens=32, ignore_eos=True))
+    finally:
+        req_to_token_module.to_device = forward_batch_module.to_device = to_device
+    return statistics.median(llm.trace.gpu_gaps_ms())
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fence.py needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    reference = handover(False, defer_release=True)
+    print("1. B's tokens with a ~10 ms delay before every sampler, against a run without delay:")
+    for label, guards in [("defaults", {}), ("fence off", {"fence": False}),
+                          ("prompt written on the schedule stream", {"prompt_on_forward_stream": False})]:
+        got = handover(True, **guards)
+        print(f"   {label:40s} B {'equal' if got[1] == reference[1] else 'DIFFERENT'}")
+    variants = ["event (default)", "fallback", "no fence", "event + blocking copies", "fallback + blocking copies"]
+    engines = {v: gap_engine(v) for v in variants}
+    gaps: dict[str, list[float]] = {v: [] for v in variants}
+    for rnd in range(4):                                   # round 0 warms up; the variants take turns
+        for v in variants:
+            gap = median_gap(engines[v], "blocking" in v)
+            if rnd:
+                gaps[v].append(gap)
+    print("2. median GPU gap between steps (overlap loop, ~2 ms planted per step, 4 requests x 32 tokens, median of 3):")
+    for v in variants:
+        print(f"   {v:30s} {statistics.median(gaps[v]):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
