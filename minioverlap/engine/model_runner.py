@@ -103,7 +103,7 @@ class ModelRunner:
         """Give the request a slot, its own generator if seeded, and its prompt in token_pool."""
         req.row = self.tables.alloc()
         req.generator = make_generator(req, self.device)
-        # >>> ch08 replaces ch03: the prefill step writes the prompt itself, on the forward stream
+        # >>> ch08 fix prompt-on-forward-stream replaces ch03: the prefill step writes the prompt itself, on the forward stream
         #| self.tables.write_tokens(req.row, 0, req.prompt_ids)
         if not self.prompt_on_forward_stream:
             self.tables.write_tokens(req.row, 0, req.prompt_ids)

@@ -52,7 +52,7 @@ class StepOutput:
     next_tokens_cpu: torch.Tensor        # [B] on the host, valid once copy_done has completed
     # >>> ch08 replaces ch04: an event the checker sees too
     #| copy_done: torch.cuda.Event | None   # None on CPU, where the copy is done when it returns
-    copy_done: torch.cuda.Event | Event | None   # None on CPU with no checker: the copy is done when it returns
+    copy_done: Event | None              # None on CPU with no checker: the copy is done when it returns
     # <<< ch08
     # >>> ch06: GPU timestamps of the step (None on CPU)
     gpu_events: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)   # start, end
@@ -166,7 +166,7 @@ class Scheduler:
             out = self.run_step(batch)
         self.in_flight.append(out)
         # <<< ch06
-        # >>> ch08: the fence: what the scheduler queues from now on runs after this step's shared reads
+        # >>> ch08 fix fence: what the scheduler queues from now on runs after this step's shared reads
         # >>> exercise 08.1: place the fence
         if self.fence:
             self.streams.fence(self.runner.shared_read_done)
