@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from minioverlap import LLM, SamplingParams
+from minioverlap.device.trace import chrome_trace
 
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]
 
@@ -57,6 +58,22 @@ def test_trace_compare_prints_both_orders_and_writes_a_perfetto_file(tmp_path):
     assert names == {"normal loop", "overlap loop"}
     slices = [e for e in events if e["ph"] == "X"]
     assert {e["name"] for e in slices} >= {"launch 1", "process 3"} and all(e["dur"] >= 0 for e in slices)
+
+
+def test_the_chrome_trace_has_a_track_for_the_forward_stream_when_there_are_gpu_times():
+    """Given GPU spans (as CUDA timing events give them on a GPU), the Perfetto file has a second track
+    per loop, the forward stream, one slice per step at its GPU start; with none, only the host track."""
+    llm = LLM(model="tiny", max_running=2)
+    llm.generate(["def f(x):"], SamplingParams(max_tokens=3))
+    trace = llm.trace
+    if not trace.gpu:                                                   # a CPU: the host track alone
+        assert {e["tid"] for e in chrome_trace({"overlap": trace})["traceEvents"] if e["ph"] == "X"} == {1}
+    trace.gpu = {1: (0.0, 1.5), 2: (1.625, 2.5), 3: (2.75, 3.0)}        # ms since step 1 began on the GPU
+    events = chrome_trace({"overlap": trace})["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert tracks == {1: "scheduler (host)", 2: "forward stream (GPU)"}
+    gpu = [(e["name"], e["ts"], e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == 2]
+    assert gpu == [("step 1", 0.0, 1500.0), ("step 2", 1625.0, 875.0), ("step 3", 2750.0, 250.0)]
 
 
 def test_the_timeline_notebook_runs():

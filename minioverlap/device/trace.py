@@ -62,8 +62,11 @@ class Trace(list):
 
 
 def chrome_trace(traces: dict[str, Trace]) -> dict:
-    """Chrome trace-event JSON (Perfetto and chrome://tracing open it): one process per loop, its host
-    thread as one track, each phase a slice that lasts from the event before to its own."""
+    """Chrome trace-event JSON (Perfetto and chrome://tracing open it): one process per loop; its host
+    thread is one track, each phase a slice that lasts from the event before to its own. On a GPU the
+    forward stream is a second track, each step a slice. CUDA events share no clock with the host, so
+    the GPU track starts step 1 when the host scheduled it: the alignment is approximate, the GPU's
+    own spans and gaps are exact. On a CPU there is no second track: `launch` runs the step."""
     events: list[dict] = []
     for pid, (loop, trace) in enumerate(traces.items(), start=1):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{loop} loop"}})
@@ -72,5 +75,10 @@ def chrome_trace(traces: dict[str, Trace]) -> dict:
         for a, b in zip(trace, trace[1:]):
             events.append({"ph": "X", "name": f"{b.kind} {b.step}", "pid": pid, "tid": 1, "ts": (a.t_ns - t0) / 1e3,
                            "dur": (b.t_ns - a.t_ns) / 1e3, "args": {"requests": list(b.uids)}})
+        if trace.gpu:
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 2, "args": {"name": "forward stream (GPU)"}})
+        for step, (start, end) in sorted(trace.gpu.items()):
+            events.append({"ph": "X", "name": f"step {step}", "pid": pid, "tid": 2, "ts": start * 1e3,
+                           "dur": (end - start) * 1e3})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 # <<< ch06
