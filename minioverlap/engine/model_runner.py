@@ -100,7 +100,10 @@ class ModelRunner:
 
     # >>> ch03: request slots for many requests
     def admit(self, req: Req) -> None:
-        """Give the request a slot, its own generator if seeded, and its prompt in token_pool."""
+        # >>> ch08 replaces ch03: the prefill step writes the prompt
+        #| """Give the request a slot, its own generator if seeded, and its prompt in token_pool."""
+        """Give the request a slot and its own generator if seeded (its prefill writes its prompt)."""
+        # <<< ch08
         req.row = self.tables.alloc()
         req.generator = make_generator(req, self.device)
         # >>> ch08 fix prompt-on-forward-stream replaces ch03: the prefill step writes the prompt itself, on the forward stream
