@@ -132,8 +132,8 @@ class Streams:
 
 def to_device(values: list[int], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """A host list as a device tensor, without making the host wait: on a GPU through pinned memory with a
-    non-blocking copy. (A copy from pageable memory synchronizes the current stream first, and behind
-    the fence the schedule stream may be waiting for a whole step.)"""
+    non-blocking copy. (A blocking copy from pageable memory makes the host wait for the current stream,
+    and behind the fence the schedule stream may be waiting for a whole step.)"""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 # <<< ch08
