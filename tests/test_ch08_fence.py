@@ -71,7 +71,7 @@ def test_the_fence_waits_for_the_event_or_else_for_the_whole_forward_stream():
 
 # ---- the engine with its defaults
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(16))
 def test_defaults_are_silent_over_random_schedules(seed):
     """Chapter 07's random schedules with the checker on: no HazardError in either loop, the same
     replies as without the checker, and the only host waits are the copy-done waits, one per step."""
