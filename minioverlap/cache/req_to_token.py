@@ -52,10 +52,7 @@ class ReqToTokenPool:
         """Record the KV slots of positions start.. of the request in `row`."""
         # >>> ch08 replaces ch02: never block on the schedule stream; tell the checker
         #| self.req_to_token[row, start:start + len(kv_slots)] = torch.tensor(kv_slots, dtype=torch.int32)
-        self.req_to_token[row, start:start + len(kv_slots)] = to_device(kv_slots, torch.int32, self.req_to_token.device)
-        if self.hazards:
-            self.hazards.access("req_to_token", [(row, i) for i in range(start, start + len(kv_slots))], "write",
-                                f"the scheduler writes the KV slots of row {row}")
+        self.scheduler_write("req_to_token", row, start, kv_slots, f"the scheduler writes the KV slots of row {row}")
         # <<< ch08
     # >>> ch03: the tokens themselves
 
@@ -63,9 +60,15 @@ class ReqToTokenPool:
         """Record token ids at positions start.. of the request in `row` (its prompt, or a new token)."""
         # >>> ch08 replaces ch03: never block on the schedule stream; tell the checker
         #| self.token_pool[row, start:start + len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
-        self.token_pool[row, start:start + len(token_ids)] = to_device(token_ids, torch.int32, self.token_pool.device)
-        if self.hazards:
-            self.hazards.access("token_pool", [(row, i) for i in range(start, start + len(token_ids))], "write",
-                                f"the scheduler writes tokens into row {row}")
+        self.scheduler_write("token_pool", row, start, token_ids, f"the scheduler writes tokens into row {row}")
         # <<< ch08
     # <<< ch03
+    # >>> ch08: never block on the schedule stream; tell the checker
+
+    def scheduler_write(self, name: str, row: int, start: int, values: list[int], site: str) -> None:
+        """values -> positions start.. of `row` of the table `name`, with no host wait; the checker sees it."""
+        table = getattr(self, name)
+        table[row, start:start + len(values)] = to_device(values, torch.int32, table.device)
+        if self.hazards:
+            self.hazards.access(name, [(row, i) for i in range(start, start + len(values))], "write", site)
+    # <<< ch08

@@ -69,10 +69,11 @@ class HazardChecker:
         clock[stream] += 1
         return clock[stream]
 
-    def record(self) -> Clock:
-        """An event recorded on the current stream: everything queued there so far."""
-        self._tick(self.current)
-        return dict(self.clocks[self.current])
+    def record(self, stream: str | None = None) -> Clock:
+        """An event recorded on the current stream (or `stream`): everything queued there so far."""
+        stream = stream or self.current
+        self._tick(stream)
+        return dict(self.clocks[stream])
 
     def wait_event(self, event: Clock) -> None:
         """The current stream waits for the event (on a GPU: stream.wait_event)."""
@@ -80,11 +81,7 @@ class HazardChecker:
 
     def wait_stream(self, other: str) -> None:
         """The current stream waits for all that `other` has queued so far (stream.wait_stream)."""
-        join(self.clocks[self.current], self.record_on(other))
-
-    def record_on(self, stream: str) -> Clock:
-        self._tick(stream)
-        return dict(self.clocks[stream])
+        join(self.clocks[self.current], self.record(other))
 
     def host_wait(self, event: Clock, site: str) -> None:
         """The host blocks until the event has happened (event.synchronize())."""

@@ -58,7 +58,8 @@ class ModelRunner:
         """Run the batch; returns the logits [B, vocab] of each request's last token."""
         ctx = PagedAttention(self.kv_pool, self.tables.req_to_token, batch)
         # >>> ch08: a prefill writes its own prompt into token_pool, on the forward stream
-        if batch.prompt_tokens is not None and self.prompt_on_forward_stream:
+        writes_prompt = batch.prompt_tokens is not None and self.prompt_on_forward_stream
+        if writes_prompt:
             self.tables.token_pool[batch.token_rows, batch.positions] = batch.prompt_tokens
         # <<< ch08
         # >>> ch03: the inputs, read from token_pool here, in the step's own stream order
@@ -68,7 +69,7 @@ class ModelRunner:
         # <<< ch03
         # >>> ch08: the step has read what it reads of the tables the scheduler writes: the fence opens here
         if self.hazards:
-            self.record_table_accesses(batch)
+            self.record_table_accesses(batch, writes_prompt)
         self.shared_read_done = self.streams.record()
         # <<< ch08
         hidden = self.model(batch.input_ids, batch.positions, ctx)
@@ -79,12 +80,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.last_index])
     # >>> ch08: what a step reads and writes, for the checker
 
-    def record_table_accesses(self, batch: ForwardBatch) -> None:
+    def record_table_accesses(self, batch: ForwardBatch, writes_prompt: bool) -> None:
         """A step's accesses to the tables the scheduler writes: its prompt (a prefill written here),
         its page table (each row up to its seq_len) and its input tokens."""
         for row, uid, p, n in zip(batch.rows, [r.uid for r in batch.reqs], batch.prefix_lens, batch.extend_lens):
             new = [(row, i) for i in range(p, p + n)]
-            if batch.prompt_tokens is not None and self.prompt_on_forward_stream:
+            if writes_prompt:
                 self.hazards.access("token_pool", new, "write", f"the prefill writes request {uid}'s prompt")
             self.hazards.access("req_to_token", [(row, i) for i in range(p + n)], "read",
                                 f"attention reads request {uid}'s page table")
