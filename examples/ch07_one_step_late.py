@@ -10,7 +10,8 @@ step ahead, and a request that stopped at step N is already in step N+1.
 from __future__ import annotations
 
 from minioverlap import LLM, SamplingParams
-from minioverlap.scheduler.scheduler import Reply, Scheduler, StepOutput
+from minioverlap.engine.step import StepOutput
+from minioverlap.scheduler.scheduler import Reply, Scheduler
 
 
 class NaiveScheduler(Scheduler):

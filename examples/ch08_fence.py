@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from minioverlap import LLM, SamplingParams
+from minioverlap.config import Guards
 from minioverlap.device.hazard import HazardError
 
 PROMPT_A, PROMPT_B = "def f(x):", "class Stack:\n    def __init__(self):\n        self.items = []"
@@ -21,9 +22,8 @@ PROMPT_A, PROMPT_B = "def f(x):", "class Stack:\n    def __init__(self):\n      
 
 def handover(fence: bool = True, defer_release: bool = False, prompt_on_forward_stream: bool = True) -> str:
     """Run the scenario with the checker on; return its report, or a line saying it stayed silent."""
-    llm = LLM(model="tiny", max_running=1, page_size=4, hazard_check=True, fence=fence)
-    llm.scheduler.defer_release = defer_release
-    llm.runner.prompt_on_forward_stream = prompt_on_forward_stream
+    guards = Guards(fence=fence, defer_release=defer_release, prompt_on_forward_stream=prompt_on_forward_stream)
+    llm = LLM(model="tiny", max_running=1, page_size=4, hazard_check=True, guards=guards)
     a = llm.encode(PROMPT_A)
     stop = LLM(model="tiny").generate([a], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids[1]
     params = [SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)),
@@ -37,8 +37,7 @@ def handover(fence: bool = True, defer_release: bool = False, prompt_on_forward_
 
 def bubbles(defer_release: bool, max_running: int) -> tuple[int, int]:
     """(launches made with no step in flight, steps) serving 16 prompts that mostly stop on a newline."""
-    llm = LLM(model="tiny", max_running=max_running, page_size=4)
-    llm.scheduler.defer_release = defer_release
+    llm = LLM(model="tiny", max_running=max_running, page_size=4, guards=Guards(defer_release=defer_release))
     newline = llm.encode("\n")[0]
     prompts = ["def f(x):", "import os\n", "class A:", "x = 1", "for i in range(3):", "y = [", "def g():", "z ="] * 2
     llm.generate(prompts, SamplingParams(max_tokens=16, stop_token_ids=(newline,)))

@@ -24,7 +24,7 @@ import torch
 from minioverlap import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_ch07_one_step_late import Plan, Received, random_plans, run_clients, watch_slot_reuse  # noqa: E402
+from test_ch07_one_step_late import Plan, Received, random_plans, run_clients, watched  # noqa: E402
 
 SCHEDULES = 100
 MAX_SEQ_LEN = 32
@@ -42,9 +42,8 @@ def engines():
     for shape in SHAPES:
         page_size, max_running, num_pages = shape
         for overlap in (False, True):
-            llm = LLM(model="tiny", overlap=overlap, max_seq_len=MAX_SEQ_LEN, page_size=page_size,
-                      max_running=max_running, num_pages=num_pages)
-            built[shape, overlap] = llm, watch_slot_reuse(llm)
+            built[shape, overlap] = watched(overlap=overlap, max_seq_len=MAX_SEQ_LEN, page_size=page_size,
+                                            max_running=max_running, num_pages=num_pages)
     yield built
     torch.set_num_threads(threads)
 

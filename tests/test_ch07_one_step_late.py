@@ -10,17 +10,22 @@ from dataclasses import dataclass, field
 import pytest
 
 from minioverlap import LLM, SamplingParams
+# >>> ch08: the guards
+from minioverlap.config import Guards
+# <<< ch08
 
 
 # ---- helpers: a client that streams, and a watch on slots handed out while a step uses them
 
-def watch_slot_reuse(llm: LLM) -> list[str]:
-    """Record every request slot or page handed out while a launched, unhandled step still uses it.
-    On a GPU that step may still be reading or writing it: the new owner's data would be corrupted."""
-    sched, tables, alloc = llm.scheduler, llm.runner.tables, llm.runner.allocator
-    # >>> ch08: from chapter 08 the engine releases a slot at once, behind the fence; this watch checks chapter 07's guard
-    sched.defer_release = True
+def watched(**options) -> tuple[LLM, list[str]]:
+    """An engine of the tiny model with chapter 07's guard, and a watch on it that records every request
+    slot or page handed out while a launched, unhandled step still uses it. On a GPU that step may still
+    be reading or writing it: the new owner's data would be corrupted."""
+    # >>> ch08: from chapter 08 the engine releases a slot at once, behind the fence; ask for chapter 07's guard
+    options["guards"] = Guards(defer_release=True)
     # <<< ch08
+    llm = LLM(model="tiny", **options)
+    sched, tables, alloc = llm.scheduler, llm.runner.tables, llm.runner.allocator
     take_row, take_pages, violations = tables.alloc, alloc.alloc, []
 
     def row_alloc() -> int:
@@ -36,7 +41,7 @@ def watch_slot_reuse(llm: LLM) -> list[str]:
         return pages
 
     tables.alloc, alloc.alloc = row_alloc, page_alloc
-    return violations
+    return llm, violations
 
 
 @dataclass
@@ -109,18 +114,19 @@ def test_stale_reply_nothing_after_the_stop_token():
     prompt = llm.encode("def fibonacci(n):")
     stop = stop_token_after(llm, prompt, 3)
     got = run_clients(llm, [Plan(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)))])
+    greedy = LLM(model="tiny", overlap=False).generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert got[0].replies_after_finish == 0
-    assert got[0].finish_reason == "stop" and got[0].tokens[-1] == stop and len(got[0].tokens) <= 3
+    assert got[0].finish_reason == "stop"
+    assert got[0].tokens == greedy.token_ids[:greedy.token_ids.index(stop) + 1], "the greedy tokens up to the stop token"
     llm.check_integrity()
 
 
 def test_slot_reuse_no_slot_is_handed_out_while_a_step_uses_it():
     """slot-reuse: with one request slot, request A stops on a stop token at step N while step N+1
     (which writes A's row) is in flight. Request B must not get that row before step N+1 is handled."""
-    llm = LLM(model="tiny", overlap=True, max_running=1, page_size=4)
+    llm, violations = watched(overlap=True, max_running=1, page_size=4)
     a, b = llm.encode("def fibonacci(n):"), llm.encode("class Stack:")
     stop = stop_token_after(llm, a, 3)
-    violations = watch_slot_reuse(llm)
     got = run_clients(llm, [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,))),
                             Plan(b, SamplingParams(max_tokens=6, ignore_eos=True))])
     assert violations == []
@@ -132,9 +138,8 @@ def test_abort_in_flight_frees_once_and_discards_the_result():
     """abort-in-flight: an abort that arrives after A's prefill was launched, before its result is
     handled, frees A exactly once (and not while the prefill still uses its slot) and discards the
     prefill's token: A's only reply is the abort."""
-    llm = LLM(model="tiny", overlap=True, max_running=1, page_size=4)
+    llm, violations = watched(overlap=True, max_running=1, page_size=4)
     sched = llm.scheduler
-    violations = watch_slot_reuse(llm)
     released = []
     release = llm.runner.release
     llm.runner.release = lambda req: released.append(req.uid) or release(req)
@@ -150,6 +155,19 @@ def test_abort_in_flight_frees_once_and_discards_the_result():
     assert a.output_ids == [] and released.count(a.uid) == 1
     assert violations == []
     assert len(b.output_ids) == 4 and b.finish_reason == "length"
+    llm.check_integrity()
+
+
+def test_a_stop_token_that_is_also_the_max_tokens_th_token_finishes_with_stop():
+    """In the overlap loop too, when the n-th token is a stop token and max_tokens is n, the client's last
+    reply carries exactly that token, `finished`, with finish_reason 'stop', not 'length'."""
+    llm = LLM(model="tiny", overlap=True)
+    prompt = llm.encode("def fibonacci(n):")
+    greedy = LLM(model="tiny", overlap=False).generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    n = next(i + 1 for i in range(3, 16) if greedy.token_ids[i] not in greedy.token_ids[:i])   # new at its place
+    got = run_clients(llm, [Plan(prompt, SamplingParams(max_tokens=n, ignore_eos=True,
+                                                        stop_token_ids=(greedy.token_ids[n - 1],)))])
+    assert (got[0].tokens, got[0].finish_reason, got[0].replies_after_finish) == (greedy.token_ids[:n], "stop", 0)
     llm.check_integrity()
 
 
@@ -182,11 +200,36 @@ def test_random_schedules_overlap_equals_normal(seed):
     plans = random_plans(rng, stops)
     results = {}
     for overlap in (False, True):
-        llm = LLM(model="tiny", **engine, overlap=overlap)
-        violations = watch_slot_reuse(llm)
+        llm, violations = watched(**engine, overlap=overlap)
         results[overlap] = run_clients(llm, plans)
         assert violations == []
         llm.check_integrity()
         for got in results[overlap]:
             assert got.finish_reason is not None and got.replies_after_finish == 0
     assert results[True] == results[False]
+
+
+def test_the_example_shows_the_naive_replies_against_the_fixed_ones():
+    """`python examples/ch07_one_step_late.py`: with max_tokens=5 the naive handling marks the fourth
+    reply finished (early-finish), the fixed one the fifth; after the stop token the naive handling
+    sends one more reply (stale-reply), the fixed one ends on the stop token."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch07_one_step_late.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    replies = [line.split(":", 1)[1].split() for line in out.splitlines() if line.strip().startswith(("naive:", "fixed:"))]
+    naive, fixed, naive_stop, fixed_stop = replies
+    assert [r.endswith("*") for r in fixed] == [False] * 4 + [True]
+    assert [r.endswith("*") for r in naive][:4] == [False] * 3 + [True]
+    stop = re.search(r"^stop token (\d+) \(the 4th token\)", out, re.MULTILINE)[1]
+    assert fixed_stop == fixed[:3] + [stop + "*"]
+    assert naive_stop[3] == stop + "*" and len(naive_stop) == 5

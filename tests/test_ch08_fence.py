@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minioverlap import LLM, SamplingParams
+from minioverlap.config import Guards
 from minioverlap.device.hazard import HazardChecker, HazardError
 from minioverlap.device.streams import Streams
 from test_ch07_one_step_late import Plan, random_plans, run_clients, stop_token_after
@@ -100,7 +101,7 @@ def test_the_fence_opens_after_the_step_reads_not_at_its_end():
     sched.add_request(llm.make_requests("def f(x):", SamplingParams(max_tokens=2))[0])
     with llm.runner.streams.schedule():
         last, _ = sched.overlap_loop(None)                  # step 1 launched, fenced
-    read_done = llm.runner.shared_read_done.clock["forward"]
+    read_done = last.batch.read_done.clock["forward"]
     assert h.clocks["schedule"]["forward"] == read_done < h.clocks["forward"]["forward"]
 
 
@@ -120,6 +121,18 @@ def test_bad_guard_flags_are_refused(field, value):
         LLM(model="tiny", **{field: value})
 
 
+@pytest.mark.parametrize("field", ["fence", "defer_release", "prompt_on_forward_stream"])
+def test_bad_guards_are_refused(field):
+    with pytest.raises(ValueError, match=f"{field} must be True or False, got 'no'"):
+        Guards(**{field: "no"})
+
+
+def test_fence_false_beside_guards_is_refused():
+    """fence=False and a Guards(...) of its own would disagree about the fence: refused, naming both."""
+    with pytest.raises(ValueError, match="fence=False and guards=Guards"):
+        LLM(model="tiny", fence=False, guards=Guards())
+
+
 # ---- each guard, removed alone
 
 def slot_handover(*, fence: bool = True, defer_release: bool = False, prompt_on_forward_stream: bool = True,
@@ -127,9 +140,8 @@ def slot_handover(*, fence: bool = True, defer_release: bool = False, prompt_on_
     """One request slot. A finishes on a stop token at step k; step k+1, which still reads and writes A's
     row, is in flight when the row could go to B, whose prompt is longer than A's sequence.
     Returns (the checker's error or None, A's length in step k+1, B's prompt length)."""
-    llm = LLM(model="tiny", overlap=overlap, max_running=1, page_size=4, hazard_check=True, fence=fence)
-    llm.scheduler.defer_release = defer_release
-    llm.runner.prompt_on_forward_stream = prompt_on_forward_stream
+    guards = Guards(fence=fence, defer_release=defer_release, prompt_on_forward_stream=prompt_on_forward_stream)
+    llm = LLM(model="tiny", overlap=overlap, max_running=1, page_size=4, hazard_check=True, guards=guards)
     a, b = llm.encode("def f(x):"), llm.encode("class Stack:\n    def __init__(self):\n        self.items = []")
     plans = [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop_token_after(llm, a, 2),))),
              Plan(b, SamplingParams(max_tokens=4, ignore_eos=True))]
@@ -156,7 +168,7 @@ def test_fence_off_the_scheduler_rewrites_a_page_table_the_step_still_reads():
     assert error is not None
     assert str(error).startswith(f"req_to_token row 1, positions 0..{a_len - 1}: write on the schedule stream")
     assert "the scheduler writes the KV slots of row 1" in str(error)
-    assert "read on the forward stream" in str(error) and "attention reads request 0's page table" in str(error)
+    assert "read on the forward stream" in str(error) and "attention reads the page table" in str(error)
 
 
 def test_deferral_reverted_with_no_fence_the_same_race():
@@ -278,3 +290,33 @@ def test_the_checker_agrees_with_a_brute_force_oracle_on_random_histories():
         assert first_race_by_checker(ops) == expected, ops
         races += expected is not None
     assert 500 < races < 2500              # both outcomes are well represented
+
+
+def test_the_example_shows_the_checker_silent_with_every_guard_and_a_race_without_one():
+    """`python examples/ch08_fence.py`: silent with the defaults and with the deferral instead of the
+    fence; with the fence off a race on req_to_token, with the prompt on the schedule stream a race on
+    token_pool; and the deferral never makes fewer launches with nothing in flight than release at once."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch08_fence.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    lines = out.splitlines()
+    after = {label: lines[lines.index(label) + 1].strip() for label in (
+        "defaults: fence on, slot released at once, prompt written by its prefill", "fence off",
+        "fence off, chapter 07's deferred release instead", "prompt written by the scheduler, on the schedule stream")}
+    silent, fence_off, deferred, prompt = after.values()
+    assert silent.startswith("silent (") and deferred.startswith("silent (")
+    assert fence_off.startswith("HazardError: req_to_token row 1, positions 0..")
+    assert prompt.startswith("HazardError: token_pool row 1, position ")
+    rows = re.findall(r"│ (\d) +│ (deferred|at once) \(\w+\) +│ (\d+) +│ (\d+) +│", out)
+    idle = {(int(m), release): int(n) for m, release, n, _ in rows}
+    assert len(idle) == 6 and all(idle[m, "deferred"] >= idle[m, "at once"] for m in (1, 2, 4))

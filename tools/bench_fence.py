@@ -22,7 +22,8 @@ import torch
 import minioverlap.cache.req_to_token as req_to_token_module
 import minioverlap.engine.forward_batch as forward_batch_module
 from minioverlap import LLM, SamplingParams
-from minioverlap.device.streams import to_device
+from minioverlap.config import Guards
+from minioverlap.device.transfer import to_device
 
 PROMPT_A, PROMPT_B = "def f(x):", "class Stack:\n    def __init__(self):\n        self.items = []"
 CODE = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]
@@ -40,9 +41,8 @@ def plant_delay(llm: LLM, cycles: int) -> None:
 
 def handover(delay: bool, fence: bool = True, defer_release: bool = False,
              prompt_on_forward_stream: bool = True) -> list[list[int]]:
-    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, fence=fence)
-    llm.scheduler.defer_release = defer_release
-    llm.runner.prompt_on_forward_stream = prompt_on_forward_stream
+    guards = Guards(fence=fence, defer_release=defer_release, prompt_on_forward_stream=prompt_on_forward_stream)
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, guards=guards)
     if delay:
         plant_delay(llm, 20_000_000)
     a = llm.encode(PROMPT_A)
@@ -59,8 +59,8 @@ def pageable(values: list[int], dtype: torch.dtype, device: str | torch.device) 
 def gap_engine(variant: str) -> LLM:
     llm = LLM(model="tiny", device="cuda", fence=variant != "no fence")
     if variant.startswith("fallback"):
-        fence = llm.scheduler.streams.fence
-        llm.scheduler.streams.fence = lambda event: fence(None)
+        fence = llm.runner.streams.fence
+        llm.runner.streams.fence = lambda event: fence(None)
     plant_delay(llm, 4_000_000)
     return llm
 

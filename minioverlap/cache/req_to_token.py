@@ -5,29 +5,41 @@
 attention reads K and V through it. `token_pool[row, pos]` (chapter 03) is the token id itself: the
 prompt, then each generated token; a step reads its input tokens from there. Row 0 belongs to no
 request: padded rows of a batch point there.
+
+Both streams use these tables, so every read and write of them goes through a method here: the scheduler
+writes host lists (`write`, `write_tokens`); a step reads and writes with device index tensors
+(`page_table`, `read_tokens`, `write_prompts`, `write_next_tokens`). From chapter 08 each of those
+methods also tells the hazard checker what it touched, so the record is the operation itself.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 # >>> ch08: the checker, and no blocking on the schedule stream
 from minioverlap.device.hazard import HazardChecker
-from minioverlap.device.streams import to_device
+from minioverlap.device.transfer import to_device
 # <<< ch08
+
+if TYPE_CHECKING:
+    from minioverlap.engine.forward_batch import ForwardBatch
 
 
 class ReqToTokenPool:
-    def __init__(self, max_running: int, max_seq_len: int, device: str | torch.device) -> None:
+    # >>> ch08 replaces ch02: the checker sees every access
+    #| def __init__(self, max_running: int, max_seq_len: int, device: str | torch.device) -> None:
+    def __init__(self, max_running: int, max_seq_len: int, device: str | torch.device,
+                 hazards: HazardChecker | None = None) -> None:
+        self.hazards = hazards
+        # <<< ch08
         self.req_to_token = torch.zeros((max_running + 1, max_seq_len), dtype=torch.int32, device=device)
         # >>> ch03: the tokens themselves
         self.token_pool = torch.zeros((max_running + 1, max_seq_len), dtype=torch.int32, device=device)
         # <<< ch03
         self.free_rows = list(range(max_running, 0, -1))      # row 0 is never handed out
         self.is_free = [False] + [True] * max_running
-        # >>> ch08: the checker
-        self.hazards: HazardChecker | None = None
-        # <<< ch08
 
     @property
     def num_free(self) -> int:
@@ -47,7 +59,15 @@ class ReqToTokenPool:
             raise ValueError(f"double free: request slot {row} is already free")
         self.is_free[row] = True
         self.free_rows.append(row)
+    # >>> ch04: the integrity check
 
+    def slots_of(self, row: int, length: int) -> list[int]:
+        """The KV slots of positions 0..length-1 of `row`, read back by the host (the integrity check's
+        read, made when no step is in flight)."""
+        return self.req_to_token[row, :length].tolist()
+    # <<< ch04
+
+    # ---- the scheduler's writes: host lists
     def write(self, row: int, start: int, kv_slots: list[int]) -> None:
         """Record the KV slots of positions start.. of the request in `row`."""
         # >>> ch08 replaces ch02: never block on the schedule stream; tell the checker
@@ -69,6 +89,44 @@ class ReqToTokenPool:
         """values -> positions start.. of `row` of the table `name`, with no host wait; the checker sees it."""
         table = getattr(self, name)
         table[row, start:start + len(values)] = to_device(values, torch.int32, table.device)
+        self.record(name, [(row, i) for i in range(start, start + len(values))], "write", site)
+    # <<< ch08
+
+    # ---- a step's accesses: device index tensors, on the step's stream
+    def page_table(self, batch: ForwardBatch) -> torch.Tensor:
+        """Each request's row of req_to_token, [B, L] with L its longest sequence (past a request's own
+        length the slots are stale and masked). A step reads it once, before any layer runs."""
+        # >>> ch08: the checker
+        self.record("req_to_token", batch.page_cells(), "read", "attention reads the page table")
+        # <<< ch08
+        return self.req_to_token[batch.req_pool_indices, :batch.max_seq_len]
+    # >>> ch03: the inputs are read from token_pool
+
+    def read_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's input tokens [T], one per position it runs."""
+        # >>> ch08: the checker
+        self.record("token_pool", batch.new_cells(), "read", "the step reads its input tokens")
+        # <<< ch08
+        return self.token_pool[batch.token_rows, batch.positions].long()
+    # <<< ch03
+    # >>> ch05: the sampler's token stays on the device
+
+    def write_next_tokens(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
+        """Each request's sampled token, at its position seq_len: the next step's input."""
+        self.token_pool[batch.req_pool_indices, batch.seq_lens] = tokens.to(torch.int32)
+        # >>> ch08: the checker
+        self.record("token_pool", batch.next_cells(), "write", "the sampler writes the next input tokens")
+        # <<< ch08
+    # <<< ch05
+    # >>> ch08: a prefill writes its own prompt; every access is recorded
+
+    def write_prompts(self, batch: ForwardBatch) -> None:
+        """A prefill's prompt tokens, at the positions it runs."""
+        self.token_pool[batch.token_rows, batch.positions] = batch.prompt_tokens
+        self.record("token_pool", batch.new_cells(), "write", "the prefill writes its prompt")
+
+    def record(self, name: str, cells: list[tuple[int, int]], kind: str, site: str) -> None:
+        """Tell the checker, if there is one, that the current stream read or wrote these cells."""
         if self.hazards:
-            self.hazards.access(name, [(row, i) for i in range(start, start + len(values))], "write", site)
+            self.hazards.access(name, cells, kind, site)
     # <<< ch08

@@ -7,11 +7,9 @@ not by the host.
     forward stream   the passes and the sampler; it waits for the schedule stream before each step,
                      so a step sees every write made for it
 
-On CPU both are no-ops: the same code runs in the same order, one operation after another.
-# >>> ch08: the checker
-From chapter 08 the same calls drive the hazard checker when there is one: it is told which stream
-the work goes to, each event recorded or waited for, and each time the host waits.
-# <<< ch08
+On CPU both are no-ops: the same code runs in the same order, one operation after another. From
+chapter 08 the same calls also drive the hazard checker when there is one: it is told which stream the
+work goes to, each event recorded or waited for, and each time the host waits.
 """
 
 from __future__ import annotations
@@ -127,13 +125,3 @@ class Streams:
         finally:
             self.hazards.current = previous
     # <<< ch08
-# >>> ch08: never block on the schedule stream
-
-
-def to_device(values: list[int], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """A host list as a device tensor, without making the host wait: on a GPU through pinned memory with a
-    non-blocking copy. (A blocking copy from pageable memory makes the host wait for the current stream,
-    and behind the fence the schedule stream may be waiting for a whole step.)"""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
-# <<< ch08

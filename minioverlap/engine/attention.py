@@ -21,13 +21,10 @@ from minioverlap.model.qwen3 import attention
 
 
 class PagedAttention:
-    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, batch: ForwardBatch) -> None:
-        """Read the step's page table once, here, before any layer runs: every layer reads the same slots."""
-        self.kv_pool, self.batch = kv_pool, batch
-        if batch.mode is ForwardMode.DECODE:                 # [B, L] KV slots, stale past each seq_len
-            self.page_table = req_to_token[batch.req_pool_indices, :batch.max_seq_len]
-        else:                                                # one row per request, up to its seq_len
-            self.page_table = [req_to_token[row, :p + n] for row, p, n in zip(batch.rows, batch.prefix_lens, batch.extend_lens)]
+    def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, batch: ForwardBatch) -> None:
+        """page_table [B, L]: the step's rows of req_to_token, read once before any layer runs (every
+        layer reads the same slots); past a request's own length they are stale and never used."""
+        self.kv_pool, self.page_table, self.batch = kv_pool, page_table, batch
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_pool.store(layer_id, self.batch.out_cache_loc, k, v)
@@ -39,7 +36,8 @@ class PagedAttention:
     def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
         """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, read through its row."""
         b, out, start = self.batch, [], 0
-        for loc, prefix, n in zip(self.page_table, b.prefix_lens, b.extend_lens):
+        for row, prefix, n in zip(self.page_table, b.prefix_lens, b.extend_lens):
+            loc = row[:prefix + n]
             k, v = self.kv_pool.k[layer_id][loc], self.kv_pool.v[layer_id][loc]
             out.append(attention(q[start:start + n], k, v, q_start=prefix))
             start += n

@@ -24,8 +24,9 @@ import torch
 
 from minioverlap.cache.allocator import PageAllocator
 from minioverlap.cache.req_to_token import ReqToTokenPool
-# >>> ch08: never block on the schedule stream
-from minioverlap.device.streams import to_device
+# >>> ch08: never block on the schedule stream; events
+from minioverlap.device.streams import Event
+from minioverlap.device.transfer import to_device
 # <<< ch08
 from minioverlap.engine.request import Req
 
@@ -52,13 +53,28 @@ class ForwardBatch:
     # >>> ch03: the inputs are read from token_pool
     token_rows: torch.Tensor | None = None   # [T] the token_pool row each token's input is read from
     # <<< ch03
-    # >>> ch08: a prefill writes its own prompt
+    # >>> ch08: a prefill writes its own prompt; the event the fence waits for
     prompt_tokens: torch.Tensor | None = None   # [T] EXTEND: the tokens the step writes into token_pool
+    read_done: Event | None = None   # recorded once the step has read the shared tables
     # <<< ch08
 
     @property
     def max_seq_len(self) -> int:
         return max(p + n for p, n in zip(self.prefix_lens, self.extend_lens))
+    # >>> ch08: the cells of the request tables a step touches, (row, position), for the checker
+
+    def page_cells(self) -> list[tuple[int, int]]:
+        """Every position of each request's row: what attention reads of req_to_token."""
+        return [(row, i) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens) for i in range(p + n)]
+
+    def new_cells(self) -> list[tuple[int, int]]:
+        """The positions this step runs: its input tokens (and a prefill's prompt) in token_pool."""
+        return [(row, i) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens) for i in range(p, p + n)]
+
+    def next_cells(self) -> list[tuple[int, int]]:
+        """Each request's position seq_len: where the sampler writes its next input token."""
+        return [(row, p + n) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens)]
+    # <<< ch08
 
 
 def allocate_kv(req: Req, num_tokens: int, allocator: PageAllocator, tables: ReqToTokenPool) -> list[int]:

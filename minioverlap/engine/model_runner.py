@@ -1,5 +1,11 @@
 # >>> ch02 file: one forward step over the paged cache
-"""The model runner: the model and the paged cache it reads and writes, one forward step at a time."""
+"""The model runner: the model and the paged cache it reads and writes, one step at a time.
+
+From chapter 04 one step is the runner's whole job: `launch` runs the forward pass, samples, leaves each
+token on the device for the next step (05), starts copying the tokens to the host and returns the
+launched step; `wait` blocks until its tokens are on the host. The scheduler decides what runs and
+handles the results; it reaches the device only through the runner's methods.
+"""
 
 from __future__ import annotations
 
@@ -8,45 +14,48 @@ import torch
 from minioverlap.cache.allocator import PageAllocator
 from minioverlap.cache.kv_pool import KVPool
 from minioverlap.cache.req_to_token import ReqToTokenPool
-# >>> ch08: the checker
+# >>> ch08: the guards and the checker
+from minioverlap.config import Guards
 from minioverlap.device.hazard import HazardChecker
 # <<< ch08
 # >>> ch06: the two streams
-# >>> ch08 replaces ch06: events
-#| from minioverlap.device.streams import Streams
-from minioverlap.device.streams import Event, Streams
-# <<< ch08
+from minioverlap.device.streams import Streams
 # <<< ch06
+# >>> ch04: a launched step
+from minioverlap.device.transfer import to_host
+from minioverlap.engine.step import StepOutput
+# <<< ch04
 from minioverlap.engine.attention import PagedAttention
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode, build_batch
 from minioverlap.engine.request import Req
 # >>> ch03: per-request sampling
-from minioverlap.engine.sampler import make_generator
+from minioverlap.engine.sampler import make_generator, sample
 # <<< ch03
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
-from minioverlap.sampling_params import SamplingParams
 
 
 class ModelRunner:
-    # >>> ch08 replaces ch02: the checker
-    #| def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int, page_size: int, max_running: int,
-    #|              max_seq_len: int) -> None:
-    def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int, page_size: int, max_running: int,
-                 max_seq_len: int, hazards: HazardChecker | None = None) -> None:
-        # <<< ch08
+    def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int, page_size: int, max_running: int, max_seq_len: int,
+                 # >>> ch08: the guards, and the checker, given to everything that records accesses
+                 guards: Guards = Guards(), hazards: HazardChecker | None = None,
+                 # <<< ch08
+                 ) -> None:
+        """The model; its KV pool, page allocator and request tables (02); the two streams (06). The
+        runner owns them all: nothing above it touches a device table."""
         c, weight = model.config, model.model.embed_tokens.weight
         self.model, self.device = model, weight.device
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv_pool = KVPool(c.num_hidden_layers, num_pages * page_size, c.num_key_value_heads, c.head_dim,
                               weight.dtype, weight.device)
-        self.tables = ReqToTokenPool(max_running, max_seq_len, weight.device)
+        # >>> ch08 replaces ch02: the guards; the checker sees every access to the tables
+        #| self.tables = ReqToTokenPool(max_running, max_seq_len, weight.device)
+        self.guards, self.hazards = guards, hazards
+        self.tables = ReqToTokenPool(max_running, max_seq_len, weight.device, hazards)
+        # <<< ch08
         # >>> ch06: the two streams
-        # >>> ch08 replaces ch06: the checker sees the streams, and every access to the shared tables
+        # >>> ch08 replaces ch06: the checker sees the streams
         #| self.streams = Streams(self.device)
         self.streams = Streams(self.device, hazards)
-        self.hazards = self.tables.hazards = hazards
-        self.prompt_on_forward_stream = True     # False: chapter 03's way, the scheduler writes the prompt
-        self.shared_read_done: Event | None = None   # recorded by each step once it has read the shared tables
         # <<< ch08
         # <<< ch06
 
@@ -56,88 +65,147 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch; returns the logits [B, vocab] of each request's last token."""
-        ctx = PagedAttention(self.kv_pool, self.tables.req_to_token, batch)
-        # >>> ch08: a prefill writes its own prompt into token_pool, on the forward stream
-        writes_prompt = batch.prompt_tokens is not None and self.prompt_on_forward_stream
-        if writes_prompt:
-            self.tables.token_pool[batch.token_rows, batch.positions] = batch.prompt_tokens
-        # <<< ch08
-        # >>> ch03: the inputs, read from token_pool here, in the step's own stream order
-        # NOTE: from chapter 06 the previous step's sampler writes these tokens on the forward stream;
-        # reading them here, on the same stream, orders the read after the write.
-        batch.input_ids = self.tables.token_pool[batch.token_rows, batch.positions].long()
+        ctx = PagedAttention(self.kv_pool, self.tables.page_table(batch), batch)
+        # >>> ch03: the inputs are read from token_pool
+        self.read_inputs(batch)
         # <<< ch03
-        # >>> ch08: the step has read what it reads of the tables the scheduler writes: the fence opens here
-        if self.hazards:
-            self.record_table_accesses(batch, writes_prompt)
-        self.shared_read_done = self.streams.record()
-        # <<< ch08
         hidden = self.model(batch.input_ids, batch.positions, ctx)
         # >>> ch08: the checker
-        if self.hazards:
-            self.record_kv_accesses(batch)
+        self.record_kv_accesses(batch)
         # <<< ch08
         return self.model.compute_logits(hidden[batch.last_index])
-    # >>> ch08: what a step reads and writes, for the checker
+    # >>> ch03: the inputs are read from token_pool
 
-    def record_table_accesses(self, batch: ForwardBatch, writes_prompt: bool) -> None:
-        """A step's accesses to the tables the scheduler writes: its prompt (a prefill written here),
-        its page table (each row up to its seq_len) and its input tokens."""
-        for row, uid, p, n in zip(batch.rows, [r.uid for r in batch.reqs], batch.prefix_lens, batch.extend_lens):
-            new = [(row, i) for i in range(p, p + n)]
-            if writes_prompt:
-                self.hazards.access("token_pool", new, "write", f"the prefill writes request {uid}'s prompt")
-            self.hazards.access("req_to_token", [(row, i) for i in range(p + n)], "read",
-                                f"attention reads request {uid}'s page table")
-            self.hazards.access("token_pool", new, "read", f"the step reads request {uid}'s input tokens")
+    def read_inputs(self, batch: ForwardBatch) -> None:
+        """The step's input tokens, read from token_pool as the step runs, in its own stream order.
+        NOTE: from chapter 06 the previous step's sampler writes them on the same forward stream, so the
+        read comes after that write."""
+        # >>> ch08: a prefill writes its own prompt first (on the forward stream)
+        if batch.prompt_tokens is not None and self.guards.prompt_on_forward_stream:
+            self.tables.write_prompts(batch)
+        # <<< ch08
+        batch.input_ids = self.tables.read_tokens(batch)
+        # >>> ch08: the step has read what it reads of the tables the scheduler writes: the fence opens here
+        batch.read_done = self.streams.record()
+        # <<< ch08
+    # <<< ch03
+    # >>> ch04: one step, launched
+
+    def launch(self, batch: ForwardBatch, step: int) -> StepOutput:
+        """Queue one step's work and return it launched; its tokens reach the host later (`wait`).
+        From chapter 06 the work goes to the forward stream, after the schedule stream's writes."""
+        # >>> ch06 replaces ch04: on the forward stream, with the step's GPU timestamps (None on CPU)
+        #| return self.run(batch, step)
+        with self.streams.forward():
+            start = self.streams.timestamp()
+            out = self.run(batch, step)
+            out.gpu_events = (start, self.streams.timestamp())
+        return out
+        # <<< ch06
+
+    def run(self, batch: ForwardBatch, step: int) -> StepOutput:
+        """Forward, sample, and start copying the tokens to the host."""
+        tokens = self.next_tokens(batch)
+        cpu, copy_done = to_host(tokens)
+        # >>> ch08: the checker sees the copy-done event too
+        copy_done = self.streams.record(copy_done)
+        # <<< ch08
+        return StepOutput(step, batch, tokens, cpu, copy_done)
+
+    def next_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """Each request's next token [B], on the device."""
+        tokens = sample(self.forward(batch), batch.reqs)
+        # >>> ch05: the token stays on the device, where the next step reads it
+        # >>> exercise 05.1: keep the token on the device
+        self.tables.write_next_tokens(batch, tokens)
+        # <<< exercise 05.1
+        # <<< ch05
+        return tokens
+
+    def wait(self, out: StepOutput) -> None:
+        """Block the host until the step's tokens are on it: the one place the host waits for the device."""
+        # >>> ch08 replaces ch04: the checker records the host's wait
+        #| if out.copy_done is not None:
+        #|     out.copy_done.synchronize()
+        self.streams.host_wait(out.copy_done, f"the host waits for step {out.step}'s tokens")
+        # <<< ch08
+    # <<< ch04
+    # >>> ch08: the fence; the checker's step names; what a step does to the KV pool, for the checker
+
+    def fence(self, out: StepOutput) -> None:
+        """What the scheduler queues from now on runs after the step's reads of the shared tables."""
+        self.streams.fence(out.batch.read_done)
+
+    def name_step(self, step: int) -> None:
+        """The checker's reports name the accesses from now on as step `step`'s."""
+        if self.hazards:
+            self.hazards.step = step
 
     def record_kv_accesses(self, batch: ForwardBatch) -> None:
         """Attention writes each new token's K and V, and reads every K and V of its request."""
+        if not self.hazards:
+            return
         for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             slots = self.allocator.kv_slots(req.pages, 0, p + n)
             self.hazards.access("kv_pool", slots[p:], "write", f"attention stores request {req.uid}'s new K and V")
             self.hazards.access("kv_pool", slots, "read", f"attention reads request {req.uid}'s K and V")
     # <<< ch08
 
-    # >>> ch03: request slots for many requests
+    # ---- request slots and pages
     def admit(self, req: Req) -> None:
-        # >>> ch08 replaces ch03: the prefill step writes the prompt
-        #| """Give the request a slot, its own generator if seeded, and its prompt in token_pool."""
-        """Give the request a slot and its own generator if seeded (its prefill writes its prompt)."""
-        # <<< ch08
+        """Give the request a request slot (03: and its own generator if seeded)."""
         req.row = self.tables.alloc()
+        # >>> ch03: per-request sampling; the prompt goes into token_pool
         req.generator = make_generator(req, self.device)
         # >>> ch08 fix prompt-on-forward-stream replaces ch03: the prefill step writes the prompt itself, on the forward stream
         #| self.tables.write_tokens(req.row, 0, req.prompt_ids)
-        if not self.prompt_on_forward_stream:
+        if not self.guards.prompt_on_forward_stream:
             self.tables.write_tokens(req.row, 0, req.prompt_ids)
         # <<< ch08
-    # <<< ch03
+        # <<< ch03
 
     def release(self, req: Req) -> None:
         """Give back the request's pages and its request slot."""
         self.allocator.free(req.pages)
         self.tables.free(req.row)
         req.pages, req.row = [], 0
+    # >>> ch03: the host writes a token it has read back (before chapter 05 keeps it on the device)
 
-
-def paged_greedy_generate(runner: ModelRunner, prompt: list[int], max_tokens: int,
-                          eos_token_ids: tuple[int, ...] = ()) -> list[int]:
-    """Chapter 01's greedy loop on the paged cache: one request, prefill then one token per step."""
-    req = Req(0, list(prompt), SamplingParams(max_tokens), max_tokens, frozenset(eos_token_ids))
-    # >>> ch03 replaces ch02: a slot, and the prompt into token_pool
-    #| req.row = runner.tables.alloc()
-    runner.admit(req)
+    def write_next_token(self, req: Req, token: int) -> None:
+        """The token, sampled and read back by the host, into token_pool: the next step's input."""
+        self.tables.write_tokens(req.row, req.seq_len, [token])
     # <<< ch03
-    try:
-        batch = runner.batch(ForwardMode.EXTEND, [req])
-        while True:
-            req.output_ids.append(int(runner.forward(batch).argmax(dim=-1)))
-            # >>> ch03: the next step reads its input from token_pool
-            runner.tables.write_tokens(req.row, req.seq_len, req.output_ids[-1:])
-            # <<< ch03
-            if req.check_stop():
-                return req.output_ids
-            batch = runner.batch(ForwardMode.DECODE, [req])
-    finally:
-        runner.release(req)
+    # >>> ch04: what admission asks, and what the integrity check compares
+
+    @property
+    def free_rows(self) -> int:
+        return self.tables.num_free
+
+    @property
+    def free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def usable_pages(self) -> int:
+        return self.allocator.num_pages - 1           # page 0 is never handed out
+
+    def pages_for(self, num_tokens: int) -> int:
+        return self.allocator.pages_for(num_tokens)
+
+    def integrity_problems(self, owners: list[Req]) -> list[str]:
+        """Every page and request slot is free or owned by exactly one of `owners`, and each owner's
+        req_to_token row points at its own pages."""
+        problems = []
+        for what, owned, free, total in (
+                ("page", [p for r in owners for p in r.pages], self.allocator.free_pages, self.allocator.num_pages),
+                ("request slot", [r.row for r in owners], self.tables.free_rows, len(self.tables.is_free))):
+            counts = {i: 0 for i in range(1, total)}
+            for i in [*owned, *free]:
+                counts[i] = counts.get(i, 0) + 1
+            problems += [f"{what} {i} is {'lost' if n == 0 else f'owned or free {n} times'}"
+                         for i, n in counts.items() if n != 1]
+        for r in owners:
+            if self.tables.slots_of(r.row, r.seq_len) != self.allocator.kv_slots(r.pages, 0, r.seq_len):
+                problems.append(f"request {r.uid}: req_to_token row {r.row} does not point at its pages")
+        return problems
+    # <<< ch04

@@ -1,4 +1,4 @@
-"""Greedy generation for one prompt with a contiguous KV cache (chapter 01).
+"""Chapter 01: greedy generation for one prompt with a contiguous KV cache.
 
 The simplest cache there is: per layer, one K and one V tensor of shape [max_len, kv_heads, head_dim],
 filled from position 0. Prefill writes the whole prompt at once; each decode step writes one token and
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from minioverlap.engine.request import Req
 from minioverlap.model.qwen3 import Qwen3ForCausalLM, attention
 
 
@@ -50,3 +51,10 @@ def greedy_generate(model: Qwen3ForCausalLM, prompt: list[int], max_tokens: int,
             break
         input_ids = torch.tensor([token], device=device)
     return out
+
+
+def serve(llm, reqs: list[Req]) -> None:
+    """LLM.generate's path in chapter 01: each request in turn, to its end."""
+    for req in reqs:
+        req.output_ids = greedy_generate(llm.model, req.prompt_ids, req.max_new_tokens, tuple(req.stop_ids))
+        req.finish_reason = req.check_stop()

@@ -1,0 +1,71 @@
+"""The engine's options, in one place: `LLM(model, **options)` makes an EngineArgs of them, checked
+before anything is loaded (nano-vllm's Config, SGLang's ServerArgs). From chapter 08 the guards of the
+shared tables are a small config of their own, given to the runner and the scheduler when they are built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = "tiny"                       # "tiny" (the shipped checkpoint) or a local HF-format directory
+    device: str = "cpu"                       # "cpu", "cuda" or "cuda:N"
+    dtype: str | torch.dtype | None = None    # None: fp32 on a CPU, the checkpoint's own dtype on a GPU
+    max_seq_len: int | None = None           # most tokens of one request, prompt included; None: the model's context
+    # >>> ch02: the paged cache
+    page_size: int = 16                       # KV slots per page
+    num_pages: int | None = None              # pages in the pool, page 0 included; None: room for every slot's full context
+    # <<< ch02
+    # >>> ch03: batching
+    max_running: int = 16                     # request slots: the most requests in flight at once
+    # <<< ch03
+    # >>> ch06: the overlap loop
+    # >>> ch07 replaces ch06: its bugs fixed, the overlap loop is the default
+    #| overlap: bool = False                  # True: the overlap loop
+    overlap: bool = True                      # False: the normal loop
+    # <<< ch07
+    # <<< ch06
+    # >>> ch08: the fence and the hazard checker
+    fence: bool = True                        # False only to show the race the fence prevents
+    hazard_check: bool = False                # True: record every access to a shared table; HazardError on a race
+    guards: Guards | None = None              # every guard on its own (chapter 08's demonstrations); None: the defaults
+    # <<< ch08
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.type == "bool":
+                check_bool(f.name, getattr(self, f.name))
+        # >>> ch08: the fence is a guard
+        if self.guards is not None and not self.fence:
+            raise ValueError("fence=False and guards=Guards(...) both given: pass Guards(fence=False) alone")
+        # <<< ch08
+    # >>> ch08: the guards in use
+
+    def resolved_guards(self) -> Guards:
+        return self.guards if self.guards is not None else Guards(fence=self.fence)
+    # <<< ch08
+# >>> ch08: the guards of the shared tables
+
+
+@dataclass(frozen=True)
+class Guards:
+    """Which guard orders which write of the tables that both streams touch (chapter 08 says why each
+    is needed and what happens without it). The defaults are hazard-free; every other setting exists to
+    show a race, which the hazard checker names, or what a guard costs."""
+    fence: bool = True                     # the schedule stream waits for each launched step's shared reads
+    defer_release: bool = False            # chapter 07's guard: a finished request keeps its slot until its step is handled
+    prompt_on_forward_stream: bool = True  # a prefill writes its own prompt into token_pool, on the forward stream
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_bool(f.name, getattr(self, f.name))
+# <<< ch08
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")

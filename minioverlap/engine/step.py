@@ -1,0 +1,32 @@
+# >>> ch04 file: a launched step
+"""StepOutput: a step the engine has launched, as the scheduler holds it until the step is handled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# >>> ch08: events the checker sees
+from minioverlap.device.streams import Event
+# <<< ch08
+from minioverlap.engine.forward_batch import ForwardBatch
+
+
+@dataclass(eq=False)
+class StepOutput:
+    """A launched step. It keeps its tensors alive until the step is handled.
+
+    NOTE: on a GPU the step may still be running when the host moves on; if its batch's tensors were
+    freed, the allocator could hand their memory to the next step while this one still reads it."""
+    step: int
+    batch: ForwardBatch
+    next_tokens: torch.Tensor            # [B] on the device
+    next_tokens_cpu: torch.Tensor        # [B] on the host, valid once copy_done has completed
+    # >>> ch08 replaces ch04: an event the checker sees too
+    #| copy_done: torch.cuda.Event | None   # None on CPU, where the copy is done when it returns
+    copy_done: Event | None              # None on CPU with no checker: the copy is done when it returns
+    # <<< ch08
+    # >>> ch06: GPU timestamps of the step (None on CPU)
+    gpu_events: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)   # start, end
+    # <<< ch06
