@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from minioverlap import LLM, SamplingParams
-from minioverlap.engine.contiguous import greedy_generate
+from minioverlap.reference.contiguous import greedy_generate
 from minioverlap.engine.forward_batch import ForwardMode
 from minioverlap.engine.model_runner import ModelRunner
 

@@ -1,6 +1,25 @@
 """minioverlap: a small LLM inference engine that teaches overlap scheduling, chapter by chapter."""
 
 from minioverlap.llm import LLM, RequestOutput
+from minioverlap.model.loader import CheckpointError
 from minioverlap.sampling_params import SamplingParams
+# >>> ch04: the scheduler's own check
+from minioverlap.scheduler.scheduler import IntegrityError
+# <<< ch04
+# >>> ch08: the hazard checker
+from minioverlap.device.hazard import HazardError
+# <<< ch08
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "RequestOutput",
+    "SamplingParams",
+    # the errors a caller may catch
+    "CheckpointError",
+    # >>> ch04: the scheduler's own check
+    "IntegrityError",
+    # <<< ch04
+    # >>> ch08: the hazard checker
+    "HazardError",
+    # <<< ch08
+]

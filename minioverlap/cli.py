@@ -8,10 +8,12 @@ import json
 # <<< ch06
 import sys
 # >>> ch06: a file for Perfetto
+import time
 from pathlib import Path
 # <<< ch06
 
 from rich.console import Console
+from rich.markup import escape
 # >>> ch04: the event trace
 from rich.table import Table
 # <<< ch04
@@ -30,8 +32,18 @@ from minioverlap.device.trace import chrome_trace
 
 
 def generate(args: argparse.Namespace, console: Console) -> None:
-    llm = LLM(model=args.model, device=args.device)
-    params = SamplingParams(max_tokens=args.max_tokens)
+    """Complete the prompt, printing the text as the tokens arrive."""
+    # >>> ch06 replaces ch01: either loop (--loop), or the engine's default
+    #| llm = LLM(model=args.model, device=args.device)
+    loop = {} if args.loop is None else {"overlap": args.loop == "overlap"}
+    llm = LLM(model=args.model, device=args.device, **loop)
+    # <<< ch06
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        # >>> ch03: sampling
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        # <<< ch03
+    )
     console.print(args.prompt, style="bold", end="", markup=False, highlight=False)
     # >>> ch04 replaces ch01: stream the tokens as the scheduler handles them
     #| out = llm.generate(args.prompt, params)[0]
@@ -50,10 +62,18 @@ def generate(args: argparse.Namespace, console: Console) -> None:
 
 def trace(args: argparse.Namespace, console: Console) -> None:
     """Run one request and print the loop's events, with host times."""
+    # >>> ch06: a file for Perfetto: its folder first, so that a path that cannot be written fails before the runs
+    if args.chrome:
+        try:
+            args.chrome.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--chrome {args.chrome}: cannot make its folder ({err})") from None
+    # <<< ch06
     # >>> ch06 replaces ch04: either loop, or both side by side
     #| traces = {"normal": run_traced(args)}
     loops = ("normal", "overlap") if args.compare else (args.loop,)
-    traces = {loop: run_traced(args, overlap=loop == "overlap") for loop in loops}
+    runs = {loop: run_traced(args, overlap=loop == "overlap") for loop in loops}    # loop -> (trace, start)
+    traces = {loop: events for loop, (events, _) in runs.items()}
     # <<< ch06
     tables = [event_table(loop, events) for loop, events in traces.items()]
     # >>> ch06 replaces ch04: side by side
@@ -70,7 +90,7 @@ def trace(args: argparse.Namespace, console: Console) -> None:
     # <<< ch06
     # >>> ch06: a file for Perfetto
     if args.chrome:
-        args.chrome.write_text(json.dumps(chrome_trace(traces)))
+        args.chrome.write_text(json.dumps(chrome_trace(traces, {loop: start for loop, (_, start) in runs.items()})))
         console.print(f"wrote {args.chrome}: open it at https://ui.perfetto.dev")
     # <<< ch06
 
@@ -84,38 +104,69 @@ def event_table(loop: str, events: Trace) -> Table:
     return table
 
 
-def run_traced(args: argparse.Namespace, **engine_args) -> Trace:
+# >>> ch06 replaces ch04: and when the run began, where the Perfetto file starts the first phase
+#| def run_traced(args: argparse.Namespace, **engine_args) -> Trace:
+#|     """Serve the prompt once in a fresh engine; its trace."""
+#|     llm = LLM(model=args.model, device=args.device, **engine_args)
+#|     llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+#|     return llm.trace
+def run_traced(args: argparse.Namespace, **engine_args) -> tuple[Trace, int]:
+    """Serve the prompt once in a fresh engine; its trace, and the host time (perf_counter_ns) the run began."""
     llm = LLM(model=args.model, device=args.device, **engine_args)
+    start = time.perf_counter_ns()
     llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
-    return llm.trace
+    return llm.trace, start
+# <<< ch06
 # <<< ch04
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="minioverlap", description="A small LLM engine that teaches overlap scheduling.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: one subcommand per command, each option with its help."""
+    top = argparse.ArgumentParser(prog="minioverlap", description="A small LLM engine that teaches overlap scheduling.")
+    sub = top.add_subparsers(dest="command", required=True)
     commands = {"generate": (generate, "complete a prompt", 64)}
     # >>> ch04: the event trace
     commands["trace"] = (trace, "run a prompt and print the scheduler's events", 3)
     # <<< ch04
-    for name, (_, help_text, max_tokens) in commands.items():
-        cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("prompt", nargs="?" if name != "generate" else None, default="def fibonacci(n):")
+    for name, (run, help_text, max_tokens) in commands.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(run=run)
+        if name == "generate":
+            cmd.add_argument("prompt", help="the text to complete")
+        else:
+            cmd.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="the prompt (default: %(default)r)")
         cmd.add_argument("--model", default="tiny", help="'tiny' (shipped) or a local HF-format Qwen3 directory")
-        cmd.add_argument("--device", default="cpu")
-        cmd.add_argument("--max-tokens", type=int, default=max_tokens)
+        cmd.add_argument("--device", default="cpu", help="where the model runs: cpu (the default), cuda or cuda:N")
+        cmd.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens at most (default: %(default)s)")
+    # >>> ch03: sampling
+    gen = sub.choices["generate"]
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (the default) is greedy; above 0 samples, the lower the sharper")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample only among the k most likely tokens (default -1: all)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample only among the fewest most likely tokens whose probability reaches p (default 1: all)")
+    gen.add_argument("--seed", type=int, help="a seeded request draws the same tokens on every run")
+    # <<< ch03
     # >>> ch06: both loops
+    sub.choices["generate"].add_argument("--loop", choices=("normal", "overlap"),
+                                         help="the scheduler loop that serves the request (default: the engine's)")
     trace_cmd = sub.choices["trace"]
-    trace_cmd.add_argument("--loop", choices=("normal", "overlap"), default="normal")
+    trace_cmd.add_argument("--loop", choices=("normal", "overlap"), default="normal",
+                           help="the loop to trace (default: %(default)s)")
     trace_cmd.add_argument("--compare", action="store_true", help="run both loops and print them side by side")
-    trace_cmd.add_argument("--chrome", type=Path, help="write Chrome trace-event JSON (Perfetto opens it)")
+    trace_cmd.add_argument("--chrome", type=Path, metavar="FILE",
+                           help="also write Chrome trace-event JSON to FILE, for Perfetto (its folder is created)")
     # <<< ch06
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     console = Console()
     try:
-        commands[args.command][0](args, console)
-    except ValueError as err:
-        console.print(f"[red]error:[/red] {err}", markup=True, highlight=False)
+        args.run(args, console)
+    except (ValueError, OSError) as err:      # a bad argument, a checkpoint the loader refuses (it names the file), a path
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

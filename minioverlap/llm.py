@@ -7,21 +7,27 @@ contiguous cache (01), on the paged cache (02), one batch for all prompts (03), 
 
 from __future__ import annotations
 
+import operator
+# >>> ch02: the pool's size against the device's memory
+import os
+# <<< ch02
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-# >>> ch02 replaces ch01: the paged cache
-#| from minioverlap.engine.contiguous import greedy_generate
-# >>> ch03 replaces ch02: one batch for many requests
-#| from minioverlap.engine.model_runner import ModelRunner, paged_greedy_generate
-# >>> ch04 replaces ch03: the scheduler
-#| from minioverlap.engine.batch_generate import generate_batch
-#| from minioverlap.engine.model_runner import ModelRunner
-from minioverlap.engine.model_runner import ModelRunner
-# <<< ch04
+from minioverlap.config import EngineArgs
+# >>> ch02 removes ch01: chapter 01's path: one prompt at a time, a contiguous cache
+#| from minioverlap.reference.contiguous import serve
+# <<< ch02
+# >>> ch03 removes ch02: chapter 02's path: one prompt at a time, on the paged cache
+#| from minioverlap.reference.paged_greedy import serve
 # <<< ch03
+# >>> ch04 removes ch03: chapter 03's path: one batch of up to max_running prompts at a time
+#| from minioverlap.reference.batch_generate import serve
+# <<< ch04
+# >>> ch02: the paged cache
+from minioverlap.engine.model_runner import ModelRunner
 # <<< ch02
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import DTYPES, checkpoint_dtype, load_model, load_tokenizer, resolve_model_dir
@@ -50,65 +56,49 @@ class RequestOutput:
 class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
 
-    def __init__(self, model: str = "tiny", device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 max_seq_len: int | None = None,
-                 # >>> ch02: the paged cache
-                 page_size: int = 16, num_pages: int | None = None,
-                 # <<< ch02
-                 # >>> ch03: batching
-                 max_running: int = 16,
-                 # <<< ch03
-                 # >>> ch06: the overlap loop
-                 # >>> ch07 replaces ch06: its bugs fixed, the overlap loop is the default
-                 #| overlap: bool = False,
-                 overlap: bool = True,
-                 # <<< ch07
-                 # <<< ch06
-                 # >>> ch08: the fence and the hazard checker
-                 fence: bool = True, hazard_check: bool = False,
-                 # <<< ch08
-                 ) -> None:
+    def __init__(self, model: str = "tiny", **options) -> None:
+        """Load the checkpoint and build the engine. `options` are the fields of EngineArgs
+        (minioverlap/config.py), each with its default there: device, dtype, max_seq_len; page_size and
+        num_pages (02); max_running (03); overlap (06); fence and hazard_check (08)."""
+        self.args = _engine_args(model, options)
         self.model_dir = resolve_model_dir(model)
-        self.device = _check_device(device)
-        self.dtype = _resolve_dtype(dtype, self.device, self.model_dir)
+        self.device = _check_device(self.args.device)
+        self.dtype = _resolve_dtype(self.args.dtype, self.device, self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.model_dir)
-        limit = self.config.max_position_embeddings
-        if max_seq_len is not None and not (isinstance(max_seq_len, int) and 2 <= max_seq_len <= limit):
-            raise ValueError(f"max_seq_len must be an integer in [2, {limit}] (the model's context), got {max_seq_len!r}")
-        self.max_seq_len = max_seq_len or limit
+        self.max_seq_len = _check_max_seq_len(self.args.max_seq_len, self.config.max_position_embeddings)
         self.next_uid = 0
+        # >>> ch04: one run at a time
+        self.serving = False                     # a stream is being consumed
+        # <<< ch04
         # >>> ch02: the paged cache
-        # >>> ch03 replaces ch02: many request slots
-        #| self.max_running = 1
-        self.max_running = _check_int("max_running", max_running, 1)
-        # <<< ch03
-        page_size = _check_int("page_size", page_size, 1)
-        pages_per_seq = -(-self.max_seq_len // page_size)
-        num_pages = self.max_running * pages_per_seq + 1 if num_pages is None else num_pages
-        _check_int("num_pages", num_pages, 2)
-        # >>> ch08 replaces ch02: the hazard checker
-        #| self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=page_size,
-        #|                           max_running=self.max_running, max_seq_len=self.max_seq_len)
-        for name, value in (("fence", fence), ("hazard_check", hazard_check)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=page_size, max_running=self.max_running,
-                                  max_seq_len=self.max_seq_len, hazards=HazardChecker() if hazard_check else None)
-        # <<< ch08
+        self.runner = self.make_runner()
         # <<< ch02
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04
-        # >>> ch08: fence=False only to show the race it prevents
-        self.scheduler.fence = fence
+    # >>> ch02: the paged cache
+
+    def make_runner(self) -> ModelRunner:
+        """The model runner with its pool of pages and its request slots (one before chapter 03)."""
+        # >>> ch03 replaces ch02: many request slots
+        #| self.max_running = 1
+        self.max_running = _check_int("max_running", self.args.max_running, 1)
+        # <<< ch03
+        page_size = _check_int("page_size", self.args.page_size, 1)
+        num_pages = self.args.num_pages
+        num_pages = self.max_running * -(-self.max_seq_len // page_size) + 1 if num_pages is None else num_pages
+        num_pages = _check_int("num_pages", num_pages, 2)
+        _check_memory(self, num_pages, page_size)
+        # >>> ch08 replaces ch02: the guards, and the checker for everything that records accesses
+        #| return ModelRunner(self.model, num_pages=num_pages, page_size=page_size, max_running=self.max_running,
+        #|                    max_seq_len=self.max_seq_len)
+        return ModelRunner(self.model, num_pages=num_pages, page_size=page_size, max_running=self.max_running,
+                           max_seq_len=self.max_seq_len, guards=self.args.resolved_guards(),
+                           hazards=HazardChecker() if self.args.hazard_check else None)
         # <<< ch08
-        # >>> ch06: the overlap loop
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        self.overlap = overlap
-        # <<< ch06
+    # <<< ch02
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> token ids, checked against the vocabulary and the context."""
@@ -116,11 +106,13 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"prompt is text but {self.model_dir} has no tokenizer.json; pass token ids")
             ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, (list, tuple)):
+            ids = [_token_id("prompt", t) for t in prompt]
         else:
-            ids = list(prompt)
+            raise ValueError(f"prompt must be text or a list of token ids, got {prompt!r}")
         if not ids:
             raise ValueError("prompt is empty: it must hold at least 1 token")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.config.vocab_size})")
         if len(ids) >= self.max_seq_len:
@@ -146,14 +138,22 @@ class LLM:
     def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
         """Check every prompt first; only if all pass do they get their uids. `params` is one
         SamplingParams for all prompts or a list of one per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and not isinstance(prompts[0], (str, list, tuple))):
+            prompts = [prompts]                  # one prompt: text, or token ids
         if not isinstance(prompts, list) or not prompts:
             raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")
-        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if not (isinstance(params, list) and all(isinstance(s, SamplingParams) for s in params)):
+            raise ValueError(f"params must be a SamplingParams or a list of one per prompt, got {params!r}")
         if len(params) != len(prompts):
             raise ValueError(f"params is a list of {len(params)} SamplingParams for {len(prompts)} prompts")
         reqs = [self.make_request(p, s) for p, s in zip(prompts, params)]
+        # >>> ch04: a request that could never fit the page pool is refused now, not left waiting forever
+        for req in reqs:
+            self.scheduler.check_fits_pool(req)
+        # <<< ch04
         for req in reqs:
             req.uid, self.next_uid = self.next_uid, self.next_uid + 1
         return reqs
@@ -161,22 +161,11 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt], params: Params = None) -> list[RequestOutput]:
         """Complete every prompt. Every prompt is checked before any runs."""
         reqs = self.make_requests(prompts, params)
-        # >>> ch02 replaces ch01: the paged cache
-        #| for req in reqs:
-        #|     req.output_ids = greedy_generate(self.model, req.prompt_ids, req.max_new_tokens, tuple(req.stop_ids))
-        #|     req.finish_reason = req.check_stop()
-        # >>> ch03 replaces ch02: one batch for many requests
-        #| for req in reqs:
-        #|     req.output_ids = paged_greedy_generate(self.runner, req.prompt_ids, req.max_new_tokens, tuple(req.stop_ids))
-        #|     req.finish_reason = req.check_stop()
-        # >>> ch04 replaces ch03: the scheduler's loop, which admits requests as room frees up
-        #| for start in range(0, len(reqs), self.max_running):
-        #|     generate_batch(self.runner, reqs[start:start + self.max_running])
+        # >>> ch04 replaces ch01: the scheduler's loop, which admits requests as room frees up
+        #| serve(self, reqs)                    # chapters 01-03: minioverlap/reference/
         for _ in self._serve(reqs):
             pass
         # <<< ch04
-        # <<< ch03
-        # <<< ch02
         return [RequestOutput(r.uid, r.prompt_ids, r.output_ids, self.decode(r.output_ids), r.finish_reason)
                 for r in reqs]
     # >>> ch04: the scheduler
@@ -189,26 +178,47 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Add one request to a run in progress (a `stream` being consumed); returns its uid.
         A bad request raises ValueError here and changes nothing."""
+        if not self.serving:
+            raise RuntimeError("add_request adds to a run in progress (a stream being consumed); "
+                               "to start a run, call stream(...) or generate(...)")
         [req] = self.make_requests([prompt], params)
         self.scheduler.add_request(req)
         return req.uid
 
     def abort(self, uid: int) -> None:
         """Stop a request: it frees its pages and slot, and its last reply has finish_reason 'abort'."""
-        self.scheduler.abort(uid)
+        number = _integral(uid)
+        if number is None:
+            raise ValueError(f"uid must be an integer, a request's id, got {uid!r}")
+        self.scheduler.abort(number)
 
     def _serve(self, reqs: list[Req]) -> Iterator[Reply]:
-        for req in reqs:
-            self.scheduler.add_request(req)
+        """Run the scheduler's loop until every request is done, yielding the replies. The run belongs
+        to its caller: if the caller leaves early (break, an exception, close, Ctrl-C) or a step fails,
+        every request of the run is aborted and freed, and the engine is as good as new."""
+        if self.serving:
+            raise RuntimeError("a run is in progress (a stream is being consumed): finish or close it first")
+        self.scheduler.submit(reqs)
+        self.serving = True
+        try:
+            yield from self._loop()
+        except BaseException:                    # GeneratorExit (the consumer left) included
+            with self.runner.streams.schedule():
+                self.scheduler.abandon()
+            raise
+        finally:
+            self.serving = False
+
+    def _loop(self) -> Iterator[Reply]:
         self.scheduler.start_run()
         # >>> ch06 replaces ch04: both loops, side by side
         #| while self.scheduler.busy:
         #|     yield from self.scheduler.normal_loop()
-        with self.scheduler.streams.schedule():
-            while not self.overlap and self.scheduler.busy:
+        with self.runner.streams.schedule():
+            while not self.args.overlap and self.scheduler.busy:
                 yield from self.scheduler.normal_loop()
             last = None                          # the overlap loop's step in flight
-            while self.overlap and (self.scheduler.busy or last is not None):
+            while self.args.overlap and (self.scheduler.busy or last is not None):
                 last, replies = self.scheduler.overlap_loop(last)
                 yield from replies
         # <<< ch06
@@ -228,8 +238,70 @@ class LLM:
 
 
 def _check_int(name: str, value: int, minimum: int) -> int:
-    if not isinstance(value, int) or value < minimum:
+    number = _integral(value)
+    if number is None or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def _integral(value: object) -> int | None:
+    """value as an int if it is an integer (an int or a NumPy integer; not a bool, a float or text), else None."""
+    try:
+        return None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        return None
+
+
+def _token_id(field: str, value: object) -> int:
+    number = _integral(value)
+    if number is None:
+        raise ValueError(f"{field} token id {value!r} is not an integer")
+    return number
+# >>> ch02: the pool's size against the device's memory
+
+
+def _check_memory(llm: LLM, num_pages: int, page_size: int) -> None:
+    """Refuse a KV pool and request tables larger than the device's memory, before torch tries to allocate
+    them (and fails with a MemoryError or an OverflowError that names no argument)."""
+    c = llm.config
+    slot = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * llm.dtype.itemsize   # K and V of one token
+    kv = num_pages * page_size * slot
+    tables = 2 * (llm.max_running + 1) * llm.max_seq_len * 4   # req_to_token and token_pool, int32
+    have, where = _device_memory(llm.device)
+    if kv + tables > have:
+        raise ValueError(f"num_pages={num_pages}, page_size={page_size} and max_running={llm.max_running} need "
+                         f"{_gib(kv + tables)}, more than {where} ({_gib(have)}): the KV pool is num_pages x page_size "
+                         f"x {slot} bytes = {_gib(kv)}, the request tables 2 x (max_running + 1) x max_seq_len "
+                         f"x 4 bytes = {_gib(tables)}")
+
+
+def _device_memory(device: str) -> tuple[int, str]:
+    """Bytes the pool and tables may take: on a GPU what is free (the weights are there already), on CPU
+    the machine's physical memory."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0], f"the free memory of {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's physical memory"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+# <<< ch02
+
+
+def _engine_args(model: str, options: dict) -> EngineArgs:
+    unknown = sorted(set(options) - set(EngineArgs.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"LLM has no option {unknown[0]!r}; its options are the fields of EngineArgs: "
+                         f"{', '.join(EngineArgs.__dataclass_fields__)}")
+    return EngineArgs(model, **options)
+
+
+def _check_max_seq_len(max_seq_len: int | None, limit: int) -> int:
+    if max_seq_len is None:
+        return limit
+    value = _integral(max_seq_len)
+    if value is None or not 2 <= value <= limit:
+        raise ValueError(f"max_seq_len must be an integer in [2, {limit}] (the model's context), got {max_seq_len!r}")
     return value
 
 

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+# >>> ch03: sampling
+import math
+import numbers
+import sys
+# <<< ch03
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
+# >>> ch03: sampling
+# The smallest temperature > 0: the smallest normal float64. The sampler divides by the temperature, and a
+# GPU divides by a number as a multiplication by its inverse, which is inf below this one.
+MIN_TEMPERATURE = sys.float_info.min
+# <<< ch03
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
+    """Checked when made, then frozen: no later assignment can slip past the checks. Every count also
+    takes a NumPy integer (kept as an int); bools, floats and text are refused, naming field and value."""
+
     max_tokens: int = 16               # stop after this many new tokens (finish_reason "length")
     # >>> ch03: sampling
     temperature: float = 0.0           # 0: greedy; otherwise logits are divided by it before the softmax
@@ -20,18 +36,58 @@ class SamplingParams:
     # <<< ch04
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        checked = {"max_tokens": _integer("max_tokens", self.max_tokens, "an integer >= 1", lambda n: n >= 1)}
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         # >>> ch03: sampling
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (all tokens) or an integer >= 1, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        checked |= self._checked_sampling()
         # <<< ch03
         # >>> ch04: stop tokens
-        self.stop_token_ids = tuple(self.stop_token_ids)
+        checked["stop_token_ids"] = _stop_token_ids(self.stop_token_ids)
         # <<< ch04
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)      # the one way to set a field of a frozen dataclass
+    # >>> ch03: sampling
+
+    def _checked_sampling(self) -> dict[str, object]:
+        """temperature, top_k, top_p and seed, checked, as plain Python numbers."""
+        temperature = _real("temperature", self.temperature, "a finite number", math.isfinite)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE!r}, got {self.temperature!r}")
+        seed = None if self.seed is None else _integer("seed", self.seed, "an integer or None")
+        if seed is not None and not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1] (what torch.Generator takes), got {self.seed!r}")
+        top_k = _integer("top_k", self.top_k, "-1 (all tokens) or an integer >= 1", lambda k: k == -1 or k >= 1)
+        top_p = _real("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
+        return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    # <<< ch03
+
+
+def _integer(name: str, value: object, rule: str, ok: Callable[[int], bool] = lambda n: True) -> int:
+    """value as an int if it is an integer (an int or a NumPy integer, not a bool) and `ok` holds."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or not ok(number):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return number
+# >>> ch03: sampling
+
+
+def _real(name: str, value: object, rule: str, ok: Callable[[float], bool]) -> float:
+    """value as a float if it is a real number (not a bool) and `ok` holds (NaN fails every bound)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return float(value)
+# <<< ch03
+# >>> ch04: stop tokens
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list or tuple of token ids, got {value!r}")
+    return tuple(_integer(f"stop_token_ids[{i}]", t, "an integer token id") for i, t in enumerate(value))
+# <<< ch04

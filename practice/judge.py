@@ -7,11 +7,17 @@ with the tests that must pass and the hints to give:
     python practice/judge.py list              # every exercise, in order, with your progress
     python practice/judge.py start 01.1        # chapter 01's tree, stubbed, in practice/workspace/01.1/
     python practice/judge.py test 01.1         # run its tests there: what failed, then a hint
-    python practice/judge.py hint 01.1 [--all]
+    python practice/judge.py test 01.1 --verbose   # ... with pytest's whole output
+    python practice/judge.py hint 01.1         # the next hint, for the test that failed last
+    python practice/judge.py hint 01.1 --solution  # the last hint, which is the solution (--all: every hint)
     python practice/judge.py check             # the author's (CI): stubs fail, references pass
 
 Stages are built by tools/steps.py; `--root DIR` points every command at another book (the tools'
 own tests use a small fixture book). Progress lives in ROOT/practice/workspace/progress.json.
+
+A hint is a string, or a table `{ text = "...", when = "test name substring" }`: a hint with `when` is
+given first when a failed test's node id contains that substring. The last hint of an exercise is its
+solution: `hint` and `test` never give it; `hint ID --solution` (or `--all`) does.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 import re
 import sys
 import tempfile
+import textwrap
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +48,8 @@ SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?: - (.*))?$")
 EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt|Warning)\b")
 FILE_LINE = re.compile(r'^File "(.+)", line (\d+)')
 SECTION_HEAD = re.compile(r"^_{3,} (?:ERROR (?:collecting|at \w+ of) )?(.+?) _{3,}$")
+LOCATION_LINE = re.compile(r"^(\S+\.py):(\d+): \w+$")     # `tests/test_x.py:89: AssertionError`
+MAX_DETAIL_LINES = 12      # of a failure's report; `test ID --verbose` shows pytest's whole output
 
 
 class JudgeError(Exception):
@@ -48,11 +57,26 @@ class JudgeError(Exception):
 
 
 @dataclass(frozen=True)
+class Hint:
+    text: str
+    when: str | None = None   # given first when a failed test's node id contains this
+
+
+@dataclass(frozen=True)
 class Exercise:
     id: str            # "NN.K": the K-th exercise of chapter NN
     title: str
     tests: list[str]   # pytest node ids, relative to the stage root
-    hints: list[str]
+    hints: list[Hint]  # the last one is the solution
+
+    @property
+    def solution(self) -> Hint | None:
+        return self.hints[-1] if self.hints else None
+
+    @property
+    def clues(self) -> list[Hint]:
+        """The hints that `hint` and `test` give: all but the solution."""
+        return self.hints[:-1]
 
     @property
     def chapter(self) -> int:
@@ -68,6 +92,7 @@ class Exercise:
 class Failure:
     node: str      # a pytest node id, or a file for a collection error
     message: str   # the assertion or exception line
+    details: tuple[str, ...] = ()   # where it failed, the failing line, then the first lines of the error
 
 
 # ---------------------------------------------------------------- the registry and progress
@@ -92,12 +117,24 @@ def _exercise(entry: dict, path: Path) -> Exercise:
     ex_id = entry.get("id")
     if not isinstance(ex_id, str) or not ID_PATTERN.fullmatch(ex_id):
         raise JudgeError(f"{path}: exercise id {ex_id!r} is not of the form 'NN.K' (e.g. '01.2')")
-    for key in ("tests", "hints"):
-        value = entry.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise JudgeError(f"{path}: exercise '{ex_id}': {key} must be a list of strings")
-    return Exercise(ex_id, str(entry.get("title", "")), list(entry.get("tests", [])),
-                    list(entry.get("hints", [])))
+    tests = entry.get("tests", [])
+    if not isinstance(tests, list) or not all(isinstance(item, str) for item in tests):
+        raise JudgeError(f"{path}: exercise '{ex_id}': tests must be a list of strings")
+    hints = entry.get("hints", [])
+    if not isinstance(hints, list):
+        raise JudgeError(f"{path}: exercise '{ex_id}': hints must be a list")
+    return Exercise(ex_id, str(entry.get("title", "")), list(tests), [_hint(h, ex_id, path) for h in hints])
+
+
+def _hint(item: object, ex_id: str, path: Path) -> Hint:
+    """A hint of the registry: a string, or a table with `text` and an optional `when`."""
+    if isinstance(item, str):
+        return Hint(item)
+    if (isinstance(item, dict) and isinstance(item.get("text"), str) and set(item) <= {"text", "when"}
+            and isinstance(item.get("when", ""), str)):
+        return Hint(item["text"], item.get("when") or None)
+    raise JudgeError(f"{path}: exercise '{ex_id}': a hint must be a string or "
+                     f"{{ text = \"...\", when = \"test name substring\" }}, got {item!r}")
 
 
 def find_exercise(exercises: list[Exercise], ex_id: str) -> Exercise:
@@ -116,7 +153,8 @@ def workspace(root: Path) -> Path:
 
 
 def load_progress(root: Path) -> dict[str, dict]:
-    """{id: {"status": "started" | "passed", "hints_shown": n}}; empty before the first start."""
+    """{id: {"status": "started" | "passed", "hints_seen": [index, ...], "last_failed": [node, ...]}};
+    empty before the first start."""
     path = workspace(root) / "progress.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -147,28 +185,51 @@ def run_tests(stage: Path, targets: list[str]) -> tuple[int, str]:
 
 
 def parse_failures(output: str) -> list[Failure]:
-    """Failed and errored tests from pytest's short summary, each with its exception line."""
-    details = _exception_lines(output)
+    """Failed and errored tests from pytest's short summary, each with its exception line and the
+    first lines of its traceback's end (the summary's line is trimmed to the terminal's width)."""
+    sections = _sections(output)
     failures = []
     for line in output.splitlines():
         match = SUMMARY_LINE.match(line.strip())
         if match and ("::" in match[2] or match[2].endswith(".py")):
             node, summary = match[2], match[3] or ""
-            failures.append(Failure(node, details.get(_head_of(node), summary)))
+            lines = sections.get(_head_of(node), [])
+            errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+            message = _exception_line(errors) if errors else summary
+            failures.append(Failure(node, message, _details(lines)))
     return failures
 
 
-def _exception_lines(output: str) -> dict[str, str]:
-    """{section head: its exception line} from pytest's tracebacks (the summary's is trimmed)."""
+def _sections(output: str) -> dict[str, list[str]]:
+    """{section head: its lines} of pytest's failure and error reports."""
     sections: dict[str, list[str]] = {}
     head = None
     for line in output.splitlines():
         if (match := SECTION_HEAD.match(line)):
             head = match[1]
             sections.setdefault(head, [])
-        elif head and line.startswith("E "):
-            sections[head].append(line[1:].strip())
-    return {head: _exception_line(lines) for head, lines in sections.items() if lines}
+        elif re.match(r"^(=|-){3,} .* (=|-){3,}$", line):   # `=== short test summary info ===`, `--- Captured ...`
+            head = None
+        elif head:
+            sections[head].append(line)
+    return sections
+
+
+def _details(lines: list[str]) -> tuple[str, ...]:
+    """Where a test failed (`file:line`), the line that failed (`> ...`), then the error's own lines:
+    the assertion with its values, or the message, whole (pytest's `E` lines), without the blanks."""
+    first_error = next((i for i, line in enumerate(lines) if line.startswith("E ")), None)
+    if first_error is None:
+        return ()
+    failing = next((line for line in reversed(lines[:first_error]) if line.startswith(">")), None)
+    where = next((m for line in lines[first_error:] if (m := LOCATION_LINE.match(line))), None)
+    errors = "\n".join(line[1:] for line in lines[first_error:] if line.startswith("E "))
+    errors = textwrap.dedent(errors).splitlines()
+    errors = [line.rstrip() for line in errors if line.strip() and line.strip() != "Use -v to get more diff"]
+    head = [f"{where[1]}:{where[2]}"] if where else []
+    if failing and failing[1:].strip():
+        head.append("> " + failing[1:].strip())
+    return (*head, *errors)
 
 
 def _exception_line(lines: list[str]) -> str:
@@ -253,17 +314,21 @@ def cmd_start(root: Path, ex_id: str, force: bool) -> int:
     return 0
 
 
-def cmd_test(root: Path, ex_id: str, whole_stage: bool = False) -> int:
+def cmd_test(root: Path, ex_id: str, whole_stage: bool = False, verbose: bool = False) -> int:
     exercises = load_exercises(root)
     ex = find_exercise(exercises, ex_id)
     stage = workspace(root) / ex.id
     if not stage.is_dir():
         raise JudgeError(f"exercise {ex.id} is not started: run `{_command(root, 'start', ex.id)}` first")
     targets = ["tests", *(t for t in ex.tests if not t.startswith("tests/"))] if whole_stage else ex.tests
-    code, output = run_tests(stage, targets)
+    code, output = run_tests(stage, [*targets, "-vv"] if verbose else targets)
+    if verbose:
+        console.out(output.rstrip(), highlight=False)
     progress = load_progress(root)
+    entry = progress.setdefault(ex.id, {})
     if code == 0:
-        progress.setdefault(ex.id, {})["status"] = "passed"
+        entry["status"] = "passed"
+        entry.pop("last_failed", None)
         save_progress(root, progress)
         _congratulate(root, exercises, ex, progress)
         return 0
@@ -273,22 +338,35 @@ def cmd_test(root: Path, ex_id: str, whole_stage: bool = False) -> int:
         console.print(f"[yellow]exercise {ex.id} is not implemented yet: edit {escape(where)}[/]")
         console.print(f"a hint: `{escape(_command(root, 'hint', ex.id))}`")
         return 1
-    _report_failures(ex, code, output)
+    failures = _report_failures(root, stage, ex, code, output, verbose)
+    entry["last_failed"] = [failure.node for failure in failures]
+    save_progress(root, progress)
     _show_next_hint(root, ex, progress)
     return 1
 
 
-def _report_failures(ex: Exercise, code: int, output: str) -> None:
+def _report_failures(root: Path, stage: Path, ex: Exercise, code: int, output: str,
+                     verbose: bool) -> list[Failure]:
+    """What failed: each test with where it failed (a path you can open), the failing line and the
+    error's first lines."""
     failures = parse_failures(output)
     if not failures:  # a usage error, no test collected, a crash: show what pytest said
         console.print(f"[red]exercise {ex.id}: pytest exited with {code}:[/]")
-        console.print(escape("\n".join(output.strip().splitlines()[-15:])), markup=True)
-        return
+        if not verbose:
+            console.print(escape("\n".join(output.strip().splitlines()[-15:])), markup=True)
+        return failures
     console.print(f"[red]exercise {ex.id}: {_plural(len(failures), 'test')} failed[/]")
     for failure in failures:
         console.print(f"  [red]✘[/] {escape(failure.node)}")
-        if failure.message:
-            console.print(f"      {escape(failure.message)}")
+        lines = list(failure.details) or [failure.message] * bool(failure.message)
+        if lines and (where := re.fullmatch(r"(\S+\.py):(\d+)", lines[0])) and (stage / where[1]).is_file():
+            lines[0] = f"{_rel(stage / where[1], root)}:{where[2]}"
+        for line in lines[:MAX_DETAIL_LINES]:
+            console.print(f"      {escape(line)}")
+        if len(lines) > MAX_DETAIL_LINES and not verbose:
+            console.print(f"      [dim]... {_plural(len(lines) - MAX_DETAIL_LINES, 'more line')}: "
+                          f"`{escape(_command(root, 'test', ex.id))} --verbose` shows pytest's whole output[/]")
+    return failures
 
 
 def _congratulate(root: Path, exercises: list[Exercise], ex: Exercise, progress: dict) -> None:
@@ -304,36 +382,61 @@ def _congratulate(root: Path, exercises: list[Exercise], ex: Exercise, progress:
         console.print(f"that was the last one: all {len(exercises)} exercises passed")
 
 
-def cmd_hint(root: Path, ex_id: str, show_all: bool) -> int:
+def cmd_hint(root: Path, ex_id: str, show_all: bool = False, solution: bool = False) -> int:
     ex = find_exercise(load_exercises(root), ex_id)
     if not ex.hints:
         console.print(f"exercise {ex.id} has no hints")
         return 0
     if show_all:
-        for number, hint in enumerate(ex.hints, 1):
-            _print_hint(ex, number, hint)
+        for index in range(len(ex.clues)):
+            _print_hint(ex, index)
+    if show_all or solution:
+        console.print(f"[magenta]solution[/] for {ex.id}: {escape(ex.solution.text)}")
         return 0
     _show_next_hint(root, ex, load_progress(root))
     return 0
 
 
+def next_clue(ex: Exercise, seen: set[int], failed: list[str]) -> int | None:
+    """The index of the hint to give next, never the solution: one unseen whose `when` names a failed
+    test, else the first unseen without `when`; with no failure known, the first unseen of all."""
+    unseen = [i for i in range(len(ex.clues)) if i not in seen]
+    if not failed:
+        return unseen[0] if unseen else None
+    matching = [i for i in unseen if ex.clues[i].when and any(ex.clues[i].when in node for node in failed)]
+    general = [i for i in unseen if not ex.clues[i].when]
+    return (matching or general or [None])[0]
+
+
 def _show_next_hint(root: Path, ex: Exercise, progress: dict[str, dict]) -> None:
+    """Give the next hint for the last failure, and remember it was seen."""
     if not ex.hints:
         return
     entry = progress.setdefault(ex.id, {})
-    shown = entry.get("hints_shown", 0)
-    if shown >= len(ex.hints):
-        console.print(f"no more hints: all {len(ex.hints)} were shown "
-                      f"(`{escape(_command(root, 'hint', ex.id))} --all` lists them); the last was:")
-        _print_hint(ex, len(ex.hints), ex.hints[-1])
+    seen = set(entry.get("hints_seen", range(entry.get("hints_shown", 0))))  # hints_shown: a count, before
+    index = next_clue(ex, seen, entry.get("last_failed", []))
+    if index is None:
+        given = len(seen & set(range(len(ex.clues))))
+        if not ex.clues:
+            what = f"exercise {ex.id}: its only hint is its solution"
+        elif given < len(ex.clues):
+            what = f"no more hints for the tests that failed ({given} of {len(ex.clues)} hints seen)"
+        else:
+            what = f"no more hints for exercise {ex.id}: all {_plural(len(ex.clues), 'hint')} seen"
+        command = escape(_command(root, "hint", ex.id))
+        console.print(f"{what}. The solution: `{command} --solution`; every hint and the solution: "
+                      f"`{command} --all`")
         return
-    entry["hints_shown"] = shown + 1
+    entry["hints_seen"] = sorted(seen | {index})
+    entry.pop("hints_shown", None)
     save_progress(root, progress)
-    _print_hint(ex, shown + 1, ex.hints[shown])
+    _print_hint(ex, index)
 
 
-def _print_hint(ex: Exercise, number: int, hint: str) -> None:
-    console.print(f"[cyan]hint {number}/{len(ex.hints)}[/] for {ex.id}: {escape(hint)}")
+def _print_hint(ex: Exercise, index: int) -> None:
+    hint = ex.clues[index]
+    about = f" (when {escape(hint.when)} fails)" if hint.when else ""
+    console.print(f"[cyan]hint {index + 1}/{len(ex.clues)}[/] for {ex.id}{about}: {escape(hint.text)}")
 
 
 def _location(stage: Path, rel: str, ex_id: str, root: Path) -> str:
@@ -420,6 +523,11 @@ def check_structure(root: Path, exercises: list[Exercise], verdicts: dict[str, V
             problems.append("lists no tests")
         if not ex.hints:
             problems.append("has no hints")
+        for number, hint in enumerate(ex.clues, 1):
+            if hint.when and not any(hint.when in test for test in ex.tests):
+                problems.append(f"hint {number}: when = '{hint.when}' is in none of its tests")
+        if ex.solution and ex.solution.when:
+            problems.append("the last hint is the solution, which no failure gives: it takes no `when`")
     return [f"marker `# >>> exercise {m.id}` at {m.path}:{m.line} has no entry in practice/exercises.toml"
             for m in markers.values() if m.id not in verdicts]
 
@@ -529,9 +637,13 @@ def parser() -> argparse.ArgumentParser:
     test.add_argument("id")
     test.add_argument("--chapter", action="store_true", dest="whole_stage",
                       help="also every other test of the chapter's stage")
-    hint = commands.add_parser("hint", parents=[common], help="the next hint")
+    test.add_argument("--verbose", "-v", action="store_true", help="also pytest's whole output")
+    hint = commands.add_parser("hint", parents=[common],
+                               help="the next hint (for the tests that failed last); never the solution")
     hint.add_argument("id")
-    hint.add_argument("--all", action="store_true", dest="show_all", help="every hint")
+    reveal = hint.add_mutually_exclusive_group()
+    reveal.add_argument("--solution", action="store_true", help="the last hint: the solution")
+    reveal.add_argument("--all", action="store_true", dest="show_all", help="every hint, the solution last")
     check = commands.add_parser("check", parents=[common],
                                 help="the author's check: stubs fail, references pass")
     check.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="pytest runs at once")
@@ -547,9 +659,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "start":
             return cmd_start(root, args.id, args.force)
         if args.command == "test":
-            return cmd_test(root, args.id, args.whole_stage)
+            return cmd_test(root, args.id, args.whole_stage, args.verbose)
         if args.command == "hint":
-            return cmd_hint(root, args.id, args.show_all)
+            return cmd_hint(root, args.id, args.show_all, args.solution)
         return cmd_check(root, args.jobs)
     except (JudgeError, steps.MarkerError, OSError) as error:
         Console(stderr=True, soft_wrap=True, highlight=False).print(f"[red]error:[/] {escape(str(error))}")

@@ -3,7 +3,10 @@ by transformers itself, and transformers' own greedy generation to compare again
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ def engines_on_test_device():
 
     init = llm.LLM.__init__
 
+    @functools.wraps(init)
     def on_device(self, *args, **kwargs):
         kwargs.setdefault("device", DEVICE)
         kwargs.setdefault("dtype", "float32")
@@ -68,10 +72,12 @@ def _hf_model(path: str):
 
 
 def random_checkpoint(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shard_size: str | None = None,
-                      **shape) -> Path:
+                      norm_noise: float = 0.0, **shape) -> Path:
     """A randomly initialised Qwen3 written by transformers' save_pretrained (its real tensor names).
 
     A large initializer_range makes the logits peaked, so greedy choices do not hinge on rounding.
+    transformers initialises every RMSNorm weight to ones; norm_noise > 0 adds that much Gaussian noise
+    to each of them, so that a loader which skipped them (keeping ones) gives other logits.
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -79,7 +85,39 @@ def random_checkpoint(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.f
     defaults = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                     initializer_range=0.5, tie_word_embeddings=False, eos_token_id=None)
-    model = Qwen3ForCausalLM(Qwen3Config(**(defaults | shape))).to(dtype)
+    model = Qwen3ForCausalLM(Qwen3Config(**(defaults | shape)))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight") and norm_noise:
+                weight += norm_noise * torch.randn_like(weight)
+    model = model.to(dtype)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def normal_loop() -> dict:
+    """LLM arguments that pin the normal loop: overlap=False from chapter 06, where LLM takes it (from
+    chapter 07 the overlap loop is the default); nothing before, where the normal loop is the only one."""
+    from minioverlap.config import EngineArgs
+
+    return {"overlap": False} if "overlap" in EngineArgs.__dataclass_fields__ else {}
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int):
+    """Fail with TimeoutError instead of hanging, where the platform has SIGALRM (the main thread)."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def fail(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: the run hangs")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

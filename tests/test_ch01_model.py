@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import CODE_PROMPTS, hf_greedy, random_checkpoint
+from conftest import CODE_PROMPTS, _hf_model, hf_greedy, random_checkpoint
 from minioverlap import LLM, SamplingParams
-from minioverlap.engine.contiguous import ContiguousCache
+from minioverlap.reference.contiguous import ContiguousCache
 from minioverlap.model.loader import CheckpointError
-from minioverlap.model.qwen3 import apply_rope, attention, rope_cos_sin
+from minioverlap.model.qwen3 import RMSNorm, apply_rope, attention, rope_cos_sin
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,119 @@ def test_tied_head_written_anyway_must_equal_the_embedding(tmp_path):
     tensors = load_file(path / "model.safetensors")
     embed = tensors["model.embed_tokens.weight"]
     save_file(tensors | {"lm_head.weight": embed.clone()}, path / "model.safetensors")
-    assert LLM(model=str(path)).generate([[3, 4]], SamplingParams(max_tokens=2))[0].token_ids
+    out = LLM(model=str(path)).generate([[3, 4]], SamplingParams(max_tokens=8))[0]
+    assert out.token_ids == hf_greedy(path, [3, 4], 8), "an equal lm_head.weight loads, and decodes as transformers does"
     save_file(tensors | {"lm_head.weight": embed + 1}, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
         LLM(model=str(path))
+
+
+# ---- what the loader reads from config.json, and RMSNorm where eps decides
+
+class WholeSequence:
+    """An attention context for one pass over a whole sequence: causal SDPA over the pass's own K/V."""
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("naming", ["rope_parameters", "top-level rope_theta"])
+def test_loader_uses_rope_theta_rms_norm_eps_and_norm_weights(tmp_path, naming):
+    """A checkpoint with rope_theta=1e6, rms_norm_eps=0.05 and norm weights far from ones gives transformers'
+    logits and greedy tokens: the loader takes all three from the checkpoint (rope_theta under either
+    naming: transformers 5's rope_parameters, or 4.x's top-level key), not from the defaults."""
+    path = random_checkpoint(tmp_path / "m", rope_theta=1e6, rms_norm_eps=0.05, norm_noise=0.5)
+    config = json.loads((path / "config.json").read_text())
+    assert config["rms_norm_eps"] == 0.05 and config["rope_parameters"]["rope_theta"] == 1e6
+    if naming == "top-level rope_theta":
+        del config["rope_parameters"]
+        (path / "config.json").write_text(json.dumps(config | {"rope_theta": 1e6}))
+    ref_model = _hf_model(str(path))
+    assert ref_model.config.rope_parameters["rope_theta"] == 1e6, "the reference itself runs at theta 1e6"
+    assert not torch.all(ref_model.model.norm.weight == 1), "the norm weights in the file are not all ones"
+    prompt = [(7 * i + 3) % 300 for i in range(48)]              # long: RoPE's slow pairs turn visibly by then
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([prompt])).logits[0]
+        model = LLM(model=str(path)).model
+        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), WholeSequence()))
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    out = LLM(model=str(path)).generate([prompt[:20]], SamplingParams(max_tokens=24))[0]
+    assert out.token_ids == hf_greedy(path, prompt[:20], 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_equals_transformers_on_zero_and_tiny_inputs(dtype):
+    """RMSNorm equals transformers' Qwen3RMSNorm where eps decides: a zero row gives 0 (not NaN), a row of
+    1e-5s gives weight * 1e-5 / sqrt(1e-10 + eps), about weight / 100 (eps inside the square root), not
+    weight * 1.0; small and ordinary rows match too."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    torch.manual_seed(0)
+    dim, eps = 16, 1e-6
+    ours, ref = RMSNorm(dim, eps), Qwen3RMSNorm(dim, eps)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(dim))
+        ref.weight.copy_(ours.weight)
+    x = torch.stack([torch.zeros(dim), torch.full((dim,), 1e-5), 1e-4 * torch.randn(dim), torch.randn(dim),
+                     100 * torch.randn(dim)]).to(dtype)
+    with torch.no_grad():
+        out, expected = ours(x), ref(x)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out[0], torch.zeros(dim)), "a zero row normalises to zero"
+    by_hand = ours.weight.detach() * (1e-5 / (1e-10 + eps) ** 0.5)                # 0.0099995 * weight
+    torch.testing.assert_close(out[1].float(), by_hand, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
+
+
+def test_the_example_completes_the_prompt_with_transformers_tokens():
+    """`python examples/ch01_model.py` prints the prompt's ids, a completion that starts with the prompt,
+    and says that its 48 tokens equal transformers' greedy tokens."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch01_model.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "prompt: 'def fibonacci(n):' -> 9 tokens [" in out
+    assert "completion:\ndef fibonacci(n):\n" in out and "finish_reason: length" in out
+    assert "tokens equal transformers' Qwen3ForCausalLM.generate: True (48 of 48)" in out
+
+
+def test_every_option_of_the_command_line_says_what_it_does():
+    """`minioverlap COMMAND --help` explains every argument: none is left without help text."""
+    import argparse
+
+    from minioverlap.cli import parser
+
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bare = [f"{name} {action.dest}" for name, command in commands.items() for action in command._actions
+            if not action.help]
+    assert "generate" in commands and bare == []
+
+
+def test_the_command_line_names_a_broken_config_json_and_prints_no_traceback(tmp_path):
+    """A checkpoint whose config.json is not JSON: `minioverlap generate` exits with status 2 and one
+    error line that names the file, not a Python traceback."""
+    import subprocess
+    import sys
+
+    from conftest import TINY
+
+    model = tmp_path / "broken"
+    model.mkdir()
+    for path in TINY.iterdir():
+        (model / path.name).symlink_to(path)
+    (model / "config.json").unlink()
+    (model / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 4096,')     # cut short
+    run = subprocess.run([sys.executable, "-m", "minioverlap", "generate", "def f(x):", "--model", str(model)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "error:" in run.stderr and str(model / "config.json") in run.stderr.replace("\n", "")
+    assert "Traceback" not in run.stderr + run.stdout

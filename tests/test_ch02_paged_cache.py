@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import CODE_PROMPTS, random_checkpoint
 from minioverlap import LLM, SamplingParams
 from minioverlap.cache.allocator import OutOfPages, PageAllocator
 from minioverlap.cache.req_to_token import ReqToTokenPool
-from minioverlap.engine.attention import decode_attention
-from minioverlap.engine.contiguous import greedy_generate
+from minioverlap.cache.kv_pool import KVPool
+from minioverlap.engine.attention import PagedAttention, decode_attention
+from minioverlap.reference.contiguous import greedy_generate
 from minioverlap.engine.forward_batch import ForwardMode
-from minioverlap.engine.model_runner import ModelRunner, paged_greedy_generate
+from minioverlap.engine.model_runner import ModelRunner
+from minioverlap.reference.paged_greedy import paged_greedy_generate
 from minioverlap.engine.request import Req
 from minioverlap.model.qwen3 import attention
 
@@ -101,3 +106,54 @@ def test_decode_attention_equals_attention_per_request():
         loc = req_to_token[i + 1, :n].long()
         ref = attention(q[i:i + 1], k_pool[loc], v_pool[loc], q_start=n - 1)
         torch.testing.assert_close(out[i:i + 1], ref)
+
+
+def test_extend_attention_after_a_cached_prefix_equals_full_attention():
+    """A prefill that extends a cached prefix (prefix_len > 0) gives its new tokens the outputs of causal
+    attention over the whole sequence, prefix K/V read from the pool through req_to_token; requests with
+    prefixes 5, 0 and 9 and scattered KV slots in one ragged batch."""
+    torch.manual_seed(0)
+    Hq, Hkv, D = 4, 2, 8
+    pool = KVPool(num_layers=1, num_slots=64, kv_heads=Hkv, head_dim=D, dtype=torch.float32, device="cpu")
+    req_to_token = torch.zeros(4, 16, dtype=torch.int32)
+    free = (torch.randperm(63) + 1).tolist()                             # scattered KV slots, never slot 0
+    prefix_lens, extend_lens, rows = [5, 0, 9], [3, 4, 2], [1, 2, 3]
+    new, refs = [], []
+    for row, prefix, n in zip(rows, prefix_lens, extend_lens):
+        S = prefix + n
+        q, k, v = torch.randn(S, Hq, D), torch.randn(S, Hkv, D), torch.randn(S, Hkv, D)
+        slots = torch.tensor([free.pop() for _ in range(S)])
+        req_to_token[row, :S] = slots
+        pool.store(0, slots[:prefix], k[:prefix], v[:prefix])               # the prefix: cached by an earlier step
+        new.append((q[prefix:], k[prefix:], v[prefix:], slots[prefix:]))
+        ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(Hq // Hkv, 1).transpose(0, 1),
+                                             v.repeat_interleave(Hq // Hkv, 1).transpose(0, 1), is_causal=True)
+        refs.append(ref.transpose(0, 1)[prefix:])                           # the new tokens' rows
+    q, k, v, loc = (torch.cat(t) for t in zip(*new))
+    batch = SimpleNamespace(mode=ForwardMode.EXTEND, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                            out_cache_loc=loc)
+    out = PagedAttention(pool, req_to_token[rows], batch).attend(0, q, k, v)   # the page table: the batch's rows
+    torch.testing.assert_close(out, torch.cat(refs))
+    assert torch.equal(pool.k[0][loc], k) and torch.equal(pool.v[0][loc], v), "the new K/V are in the pool"
+
+
+def test_the_example_shows_equal_tokens_and_the_pages_of_one_request():
+    """`python examples/ch02_paged_cache.py` finds chapter 01's tokens with pages of 1, 4 and 16 slots,
+    then draws a 9-token prompt in pages of 4: pages 1, 2 and 3, position 8 in KV slot 12, 4 pages free."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch02_paged_cache.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    for size in (" 1", " 4", "16"):
+        assert f"page_size {size}: 32 tokens, equal to chapter 01's contiguous cache: True" in out
+    assert re.search(r"│ 0 +│ 'def' +│ 1 +│ 4 +│", out) and re.search(r"│ 8 +│ '\):' +│ 3 +│ 12 +│", out)
+    assert "free pages left: 4 of 7 (page 0 is never handed out)" in out

@@ -7,10 +7,10 @@ import torch
 
 from conftest import CODE_PROMPTS
 from minioverlap import LLM, SamplingParams
-from minioverlap.engine.batch_generate import generate_batch
+from minioverlap.reference.batch_generate import generate_batch
 from minioverlap.engine.forward_batch import ForwardMode
 from minioverlap.engine.request import Req
-from minioverlap.engine.sampler import sample_one
+from minioverlap.engine.sampler import sample, sample_one
 
 MIXED = CODE_PROMPTS + ["a", "def " * 30]          # 1 to 31 tokens
 
@@ -60,6 +60,47 @@ def test_top_p_keeps_the_smallest_set_that_reaches_p():
     assert draws(top_p=0.4) == {0}
 
 
+def kept_by_transformers(logits: torch.Tensor, temperature: float, top_p: float) -> set[int]:
+    """The tokens transformers' warpers leave drawable: TemperatureLogitsWarper, then TopPLogitsWarper."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits[None].clone()))
+    return set(torch.isfinite(scores[0]).nonzero().flatten().tolist())
+
+
+def drawn(logits: torch.Tensor, params: SamplingParams, n: int = 2000) -> set[int]:
+    """Every token the sampler draws in n draws of one request (through sample(), as a step calls it)."""
+    req = Req(0, [1], params, 1)
+    req.generator = torch.Generator().manual_seed(0)
+    return set(sample(logits.expand(n, -1).clone(), [req] * n).tolist())
+
+
+@pytest.mark.parametrize("temperature, kept", [(0.7, {0, 1}), (1.5, {0, 1, 2, 3})])
+def test_temperature_is_applied_once_before_top_p(temperature, kept):
+    """At T=0.7 and T=1.5 with top_p=0.8 the sampler draws exactly the tokens transformers keeps
+    (temperature, then top-p). The sets differ from those of T=1 ({0, 1, 2}), of T applied twice
+    (T^2 = 0.49: {0}; 2.25: {0..4}) and of top-p before the temperature (T=1's set): every kept token
+    holds >= 10% of the mass, so 2000 draws show each."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    assert kept_by_transformers(logits, temperature, 0.8) == kept
+    assert kept_by_transformers(logits, 1.0, 0.8) == {0, 1, 2}, "the temperature changes the set"
+    assert drawn(logits, SamplingParams(temperature=temperature, top_p=0.8)) == kept
+
+
+def test_top_p_at_an_exact_tie_keeps_the_smallest_set_that_reaches_p():
+    """Probabilities .5 .25 .25 and top_p=.75 keep two tokens, the .5 and one .25 (mass exactly p), as
+    transformers' TopPLogitsWarper does. The rule: a token is dropped once the tokens ranked above it
+    already hold >= p, so the kept set is the smallest whose mass reaches p, p itself included; not all
+    three (the third is past p), not the .5 alone (short of p). Which of the tied .25s stays is a
+    tie-break, not the rule (transformers keeps the later index), so only their count is checked."""
+    logits = torch.tensor([0.5, 0.25, 0.25]).log()
+    assert logits.softmax(-1).tolist() == [0.5, 0.25, 0.25], "exact: no rounding decides the tie"
+    ref = kept_by_transformers(logits, 1.0, 0.75)
+    got = drawn(logits, SamplingParams(temperature=1.0, top_p=0.75), n=400)
+    assert len(ref) == 2 and 0 in ref
+    assert len(got) == 2 and 0 in got, f"kept {sorted(got)}: two tokens, the .5 and one .25"
+
+
 def test_finished_requests_leave_the_batch(llm):
     """The batch is rebuilt every step: a request that is done stops being computed at once."""
     sizes = []
@@ -101,3 +142,42 @@ def test_the_step_reads_its_inputs_from_token_pool(llm):
 def test_bad_sampling_params_name_the_field_and_the_limit(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_the_example_shows_each_prompt_equal_to_its_solo_run_and_the_seed_kept():
+    """`python examples/ch03_batching.py`: five prompts in one batch, each equal to its solo run, and a
+    seeded sample that draws the same tokens alone and in a batch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch03_batching.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert out.count("-> equal to its solo run: True") == 5 and "False" not in out
+    assert "5 prompts: " in out and "same tokens: True" in out
+
+
+def test_the_command_line_samples_with_the_options_it_is_given():
+    """`minioverlap generate --temperature --top-k --top-p --seed --max-tokens` streams the tokens that
+    LLM.generate samples with the same SamplingParams; a bad option is refused by name, with no traceback."""
+    import subprocess
+    import sys
+
+    options = dict(max_tokens=12, temperature=0.8, top_k=50, top_p=0.95, seed=7)
+    args = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
+    run = subprocess.run([sys.executable, "-m", "minioverlap", "generate", "def f(x):", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = LLM(model="tiny").generate(["def f(x):"], SamplingParams(**options))[0]
+    assert "".join(run.stdout.split()).startswith("".join(("def f(x):" + out.text).split()))   # wrapping aside
+    assert f"({len(out.token_ids)} tokens, finish_reason={out.finish_reason})" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "minioverlap", "generate", "x", "--top-k", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "top_k must be -1 (all tokens) or an integer >= 1, got 0" in bad.stderr
+    assert "Traceback" not in bad.stderr

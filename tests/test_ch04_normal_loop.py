@@ -9,20 +9,17 @@ import sys
 
 import pytest
 
-from conftest import CODE_PROMPTS, random_checkpoint
+from conftest import CODE_PROMPTS, no_hang, normal_loop, random_checkpoint
 from minioverlap import LLM, SamplingParams
 from minioverlap.scheduler.scheduler import IntegrityError
 
 GREEDY = SamplingParams(max_tokens=12)
-# >>> ch07 replaces ch04: from chapter 07 the overlap loop is the default; these tests pin the normal loop
-#| NORMAL: dict = {}
-NORMAL = dict(overlap=False)
-# <<< ch07
+NORMAL = normal_loop()          # these tests pin the normal loop (overlap=False where the stage's LLM takes it)
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(model="tiny", page_size=4)
+    return LLM(model="tiny", page_size=4, **NORMAL)
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +55,23 @@ def test_admission_queues_requests_when_slots_run_out(solo):
 
 
 def test_admission_queues_requests_when_pages_run_out(solo):
-    """With pages for about two requests at a time, five requests all finish, with their solo tokens."""
-    small = LLM(model="tiny", page_size=4, num_pages=12)
+    """With 11 free pages, five requests all finish with their solo tokens, and at no step do the requests
+    holding pages need more than the 11 (a request needs pages for prompt + max_tokens - 1 tokens); the
+    bound is reached, so one more page of admission would break it."""
+    small = LLM(model="tiny", page_size=4, num_pages=12, **NORMAL)
     outs = small.generate(CODE_PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [solo[p] for p in CODE_PROMPTS]
-    assert max(len(e.uids) for e in small.trace if e.kind == "schedule") < len(CODE_PROMPTS)
+    need = {o.uid: -(-(len(o.prompt_token_ids) + GREEDY.max_tokens - 1) // 4) for o in outs}   # 5, 6, 4, 5, 6
+    steps = [(e.step, e.uids) for e in small.trace if e.kind == "schedule"]
+    span = {uid: (min(s for s, u in steps if uid in u), max(s for s, u in steps if uid in u)) for uid in need}
+    held = [sum(n for uid, n in need.items() if span[uid][0] <= step <= span[uid][1]) for step, _ in steps]
+    assert max(held) == 11, f"pages needed by the requests holding pages, per step: {held}"
     small.check_integrity()
 
 
 def test_a_request_larger_than_the_whole_pool_is_refused():
     """A request that could never fit is refused at once, naming what it needs and what there is."""
-    small = LLM(model="tiny", page_size=4, num_pages=4)
+    small = LLM(model="tiny", page_size=4, num_pages=4, **NORMAL)
     with pytest.raises(ValueError, match=r"prompt \+ max_tokens = 26 tokens need 7 pages; the pool has 3"):
         small.generate([[1] * 10], SamplingParams(max_tokens=16))
     small.check_integrity()
@@ -78,10 +81,10 @@ def test_stop_rules_and_finish_reasons(tmp_path):
     """EOS stops with 'stop' unless ignore_eos; a stop token stops with 'stop'; max_tokens and the
     context limit stop with 'length'."""
     path = random_checkpoint(tmp_path / "m")
-    first, second = LLM(model=str(path)).generate([[7, 8, 9]], SamplingParams(max_tokens=2))[0].token_ids
+    first, second = LLM(model=str(path), **NORMAL).generate([[7, 8, 9]], SamplingParams(max_tokens=2))[0].token_ids
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"eos_token_id": first}))
-    llm = LLM(model=str(path), max_seq_len=8)
+    llm = LLM(model=str(path), max_seq_len=8, **NORMAL)
     runs = {
         "eos": SamplingParams(max_tokens=4),
         "ignore_eos": SamplingParams(max_tokens=4, ignore_eos=True),
@@ -115,14 +118,16 @@ def test_stream_gives_each_client_exactly_its_tokens(llm, solo):
 def test_abort_a_waiting_and_a_running_request(solo):
     """Aborting a running and a waiting request ends each with one 'abort' reply and nothing after;
     the others finish with their solo tokens; every page and slot comes back."""
-    llm = LLM(model="tiny", page_size=4, max_running=2)
+    llm = LLM(model="tiny", page_size=4, max_running=2, **NORMAL)
     replies = []
     stream = llm.stream(CODE_PROMPTS, GREEDY)
     for r in stream:
         replies.append(r)
-        if len(replies) == 3:                  # request 0 and 1 are running, 2.. wait
+        if len(replies) == 3:
+            assert [r.uid for r in replies] == [0, 1, 0], "requests 0 and 1 run (prefill, then decode)"
+            assert not any(r.finished for r in replies), "request 1 has a token and is not done: it is running"
             llm.abort(1)
-            llm.abort(4)
+            llm.abort(4)                       # request 4 waits: both request slots are taken
     by_uid: dict[int, list] = {}
     for r in replies:
         by_uid.setdefault(r.uid, []).append(r)
@@ -130,6 +135,8 @@ def test_abort_a_waiting_and_a_running_request(solo):
         assert by_uid[uid][-1].finish_reason == "abort" and by_uid[uid][-1].finished
         assert sum(r.finished for r in by_uid[uid]) == 1
     assert len(by_uid[4]) == 1, "a waiting request never ran"
+    assert not any(4 in e.uids for e in llm.trace if e.kind == "schedule"), "no step ever ran request 4"
+    assert [t for r in by_uid[1] for t in r.token_ids] == solo[CODE_PROMPTS[1]][:len(by_uid[1]) - 1]
     for uid in (0, 2, 3):
         assert [t for r in by_uid[uid] for t in r.token_ids] == solo[CODE_PROMPTS[uid]]
     llm.check_integrity()
@@ -186,3 +193,77 @@ def test_the_command_line_streams_and_traces():
     assert gen.stdout.startswith("def f(x):") and "(5 tokens, finish_reason=length)" in gen.stdout
     trace = subprocess.run([sys.executable, "-m", "minioverlap", "trace"], capture_output=True, text=True, check=True)
     assert "normal:  launch 1, handle 1, launch 2, handle 2, launch 3, handle 3" in trace.stdout
+
+
+# ---- admission at the exact edge of the page pool; a stop token that is also the last allowed token
+
+def test_admission_admits_a_request_that_needs_exactly_the_free_pages():
+    """Pages of 4 tokens, num_pages=4 (page 0 reserved: 3 free). A 5-token prompt with max_tokens=8 needs
+    5 + 8 - 1 = 12 tokens = 3 pages, exactly the free pages: it runs and finishes. Two such requests
+    with num_pages=7 (6 free) run side by side from the first step."""
+    prompt = [11, 12, 13, 14, 15]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with no_hang(60):
+        out = LLM(model="tiny", page_size=4, num_pages=4, **NORMAL).generate([prompt], params)[0]
+        assert (len(out.token_ids), out.finish_reason) == (8, "length")
+        pair = LLM(model="tiny", page_size=4, num_pages=7, **NORMAL)
+        outs = pair.generate([prompt, prompt[::-1]], params)
+    assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(8, "length")] * 2
+    assert [e.uids for e in pair.trace if e.kind == "schedule"][0] == (0, 1), "both admitted at step 1"
+    pair.check_integrity()
+
+
+def test_admission_never_admits_a_request_one_page_short():
+    """One page too many: with 3 free pages, max_tokens=9 makes 5 + 9 - 1 = 13 tokens = 4 pages, which the
+    pool can never hold: ValueError. With 6 free pages, a 3-page request running and a 4-page one waiting
+    (3 + 4 = 7 > 6), the second starts only after the first has finished, and both complete."""
+    prompt = [11, 12, 13, 14, 15]
+    small = LLM(model="tiny", page_size=4, num_pages=4, **NORMAL)
+    with pytest.raises(ValueError, match=r"prompt \+ max_tokens = 14 tokens need 4 pages; the pool has 3"):
+        small.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True))
+    small.check_integrity()
+    llm = LLM(model="tiny", page_size=4, num_pages=7, **NORMAL)
+    with no_hang(60):
+        outs = llm.generate([prompt, prompt[::-1]], [SamplingParams(max_tokens=8, ignore_eos=True),
+                                                      SamplingParams(max_tokens=9, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [8, 9]
+    steps = [(e.step, e.uids) for e in llm.trace if e.kind == "schedule"]
+    last_of_first = max(step for step, uids in steps if 0 in uids)
+    first_of_second = min(step for step, uids in steps if 1 in uids)
+    assert first_of_second > last_of_first, f"request 1 waits for request 0's pages: {steps}"
+    llm.check_integrity()
+
+
+def test_a_stop_token_that_is_also_the_max_tokens_th_token_finishes_with_stop():
+    """When the n-th token is a stop token and max_tokens is n, both rules fire at once: finish_reason is
+    'stop' (the stop token ended it), with exactly the n greedy tokens."""
+    llm = LLM(model="tiny", **NORMAL)
+    prompt = llm.encode("def fibonacci(n):")
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    n = next(i + 1 for i in range(3, 16) if greedy[i] not in greedy[:i])   # a token new at its position, from the 4th on
+    out = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, stop_token_ids=(greedy[n - 1],)))[0]
+    assert (out.token_ids, out.finish_reason) == (greedy[:n], "stop")
+    llm.check_integrity()
+
+
+def test_the_example_prints_the_normal_loops_order_and_the_five_phases():
+    """`python examples/ch04_normal_loop.py` prints the normal loop's order for one request of three
+    tokens (in every later stage too, where the overlap loop is the default), then 32 steps of 16
+    requests and a mean host time for each of the five phases."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch04_normal_loop.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    lines = out.splitlines()
+    assert "  launch 1, handle 1, launch 2, handle 2, launch 3, handle 3" in lines
+    assert "16 requests, 32 tokens each: 32 steps; mean host time per phase:" in lines
+    phases = {line.split()[0] for line in lines[lines.index("16 requests, 32 tokens each: 32 steps; mean host time per phase:") + 1:]}
+    assert phases == {"schedule", "launch", "wait", "process", "reply"}

@@ -8,8 +8,9 @@ from minioverlap import LLM, SamplingParams
 
 
 def test_step_n_plus_1_launches_before_the_host_has_token_n():
-    """Launch step N+1 before handling step N: the host holds none of step N's tokens at that launch,
-    yet every token equals the normal loop's. So launching never reads a token value on the host."""
+    """Launch step N+1 before handling step N: step N+1's inputs are step N's sampled tokens, read from
+    token_pool on the device while the host has handled none of them, and every token equals the normal
+    loop's. So launching never needs a token value on the host."""
     llm = LLM(model="tiny")
     prompts = ["def fibonacci(n):", "class Stack:", "import os\n"]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -21,9 +22,8 @@ def test_step_n_plus_1_launches_before_the_host_has_token_n():
     sched.receive()
     last = sched.launch(sched.schedule())                    # step 1: the prefill
     for _ in range(5):
-        received = [len(r.output_ids) for r in reqs]
-        out = sched.launch(sched.schedule())                  # step N+1 ...
-        assert [len(r.output_ids) for r in reqs] == received, "... launched with no new token on the host"
+        out = sched.launch(sched.schedule())                  # step N+1, with step N unhandled ...
+        assert out.batch.input_ids.tolist() == last.next_tokens.tolist(), "... runs on step N's tokens"
         sched.wait(last)
         sched.process(last)                                   # ... and only then step N's tokens arrive
         last = out
@@ -34,21 +34,49 @@ def test_step_n_plus_1_launches_before_the_host_has_token_n():
 
 
 def test_the_sampler_writes_the_next_input_into_token_pool():
-    """Right after launch, token_pool[row, seq_len] holds the sampled token, on the device, and the
-    request's seq_len has already advanced (the CPU's state moves at launch); the next step reads it."""
+    """Right after launch, before the host handles the step, token_pool[row, seq_len] holds the sampled
+    token (it held -1 before the launch): the step itself wrote it into the device table. The request's
+    seq_len already counts the launched step (the CPU's state moves at launch); the next step reads it."""
     llm = LLM(model="tiny")
     sched = llm.scheduler
     [req] = llm.make_requests(["def f(x):"], SamplingParams(max_tokens=4))
     sched.add_request(req)
     sched.receive()
-    out = sched.launch(sched.schedule())
-    assert req.seq_len == len(req.prompt_ids) and req.output_ids == []
+    batch = sched.schedule()
     pool = llm.runner.tables.token_pool
-    assert pool.device == out.next_tokens.device
-    assert int(pool[req.row, req.seq_len]) == int(out.next_tokens[0])
+    pool[req.row, len(req.prompt_ids)] = -1                  # no token id: only the step can overwrite it
+    out = sched.launch(batch)
+    assert req.seq_len == len(req.prompt_ids) and req.output_ids == []
+    assert int(pool[req.row, req.seq_len]) == int(out.next_tokens[0]) != -1
     sched.wait(out)
     sched.process(out)
     nxt = sched.schedule()
     sched.launch(nxt)
     assert nxt.input_ids.tolist() == [req.output_ids[-1]] and nxt.positions.tolist() == [req.seq_len - 1]
     assert torch.equal(nxt.input_ids.cpu(), out.next_tokens.cpu())
+
+
+def test_the_example_shows_the_host_one_step_behind_the_device():
+    """`python examples/ch05_token_on_gpu.py`: right after launching step N the host's seq_len counts
+    it (8 + N for a 9-token prompt), it has received N - 2 tokens, the device holds N; the six tokens
+    equal the normal loop's."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch05_token_on_gpu.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    rows = re.findall(r"^ +step (\d) +(\d+) +(\[[\d, ]*\]) +(\[[\d, ]*\])$", out, re.MULTILINE)
+    assert [int(n) for n, *_ in rows] == [1, 2, 3, 4, 5, 6]
+    for n, seq_len, received, device in rows:
+        n = int(n)
+        assert int(seq_len) == 8 + n and len(json.loads(received)) == max(0, n - 2) and len(json.loads(device)) == n
+    assert "equal to the normal loop: True" in out

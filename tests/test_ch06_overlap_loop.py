@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 from minioverlap import LLM, SamplingParams
-from minioverlap.device.trace import chrome_trace
+from minioverlap.device.trace import Trace, chrome_trace
 
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]
 
@@ -24,23 +26,33 @@ def test_overlap_event_order_of_one_request_of_three_tokens():
 
 
 def test_overlap_loop_computes_the_normal_loops_tokens():
-    """Every token the overlap loop hands out is the normal loop's token at that position. (Where it
-    stops is chapter 07's business: here it may stop one token early.)"""
+    """Each request of the overlap loop ends with exactly the normal loop's tokens, all 10 of max_tokens.
+    (What a streaming client sees, and stop tokens, are chapter 07's business.)"""
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     normal = LLM(model="tiny", overlap=False).generate(PROMPTS, params)
     overlap = LLM(model="tiny", overlap=True).generate(PROMPTS, params)
-    for n, o in zip(normal, overlap):
-        assert len(o.token_ids) >= 9 and o.token_ids == n.token_ids[:len(o.token_ids)]
+    assert [len(n.token_ids) for n in normal] == [10] * len(PROMPTS)
+    assert [o.token_ids for o in overlap] == [n.token_ids for n in normal]
 
 
 def test_an_in_flight_step_keeps_its_batch_alive():
-    """While a step is in flight, its record holds its batch and tensors, so nothing it reads is freed."""
+    """While a step is in flight, the scheduler's record of it holds its batch, the batch's tensors and the
+    sampled tokens even when the caller drops its own reference, so nothing the step reads or writes is
+    freed (on a GPU the caching allocator would hand that memory to the next step)."""
     llm = LLM(model="tiny", overlap=True)
-    sched = llm.scheduler
+    sched, ran, forward = llm.scheduler, [], llm.runner.forward
+    llm.runner.forward = lambda batch: ran.append(batch) or forward(batch)      # the batch the step runs on
     for req in llm.make_requests(PROMPTS[:2], SamplingParams(max_tokens=4)):
         sched.add_request(req)
     last, _ = sched.overlap_loop(None)
-    assert sched.in_flight == [last] and last.batch.input_ids.numel() > 0
+    [b] = ran
+    alive = [weakref.ref(x) for x in (b, b.input_ids, b.positions, b.out_cache_loc, b.seq_lens, last.next_tokens)]
+    del last, b
+    ran.clear()
+    gc.collect()
+    assert all(ref() is not None for ref in alive), "the in-flight record keeps step 1's batch and tensors"
+    [last] = sched.in_flight
+    assert last.batch is alive[0](), "the record holds the very batch the step ran on"
     nxt, _ = sched.overlap_loop(last)
     assert sched.in_flight == [nxt], "step 1 was handled, step 2 is in flight"
 
@@ -89,3 +101,117 @@ def test_the_timeline_notebook_runs():
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs if o.output_type == "display_data")
+
+
+def test_the_example_prints_both_orders_and_equal_tokens():
+    """`python examples/ch06_overlap_loop.py` prints the two loops' orders side by side and finds the
+    same tokens in both for 16 requests."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
+    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "examples/ch06_overlap_loop.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    lines = out.splitlines()
+    assert "  normal:  launch 1, handle 1, launch 2, handle 2, launch 3, handle 3" in lines
+    assert "  overlap: launch 1, launch 2, handle 1, launch 3, handle 2, handle 3" in lines
+    assert "16 requests of 32 tokens: same tokens in both loops: True" in lines
+
+
+# ---- the whole trace of a small run, in both loops; GPU spans from timing events
+
+def test_whole_trace_of_two_requests_in_both_loops():
+    """Every event of a run of two requests, A (max_tokens=2) and B (4), as (kind, step, requests): the
+    normal loop runs each step to its reply; the overlap loop launches N+1 before it waits for N, stops
+    launching A once A has launched its last step, and handles the last step with nothing left to launch."""
+    params = [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)]
+    B, AB = (1,), (0, 1)
+    normal = LLM(model="tiny", overlap=False)
+    normal.generate([[5, 6, 7], [8, 9]], params)
+    assert [(e.kind, e.step, e.uids) for e in normal.trace] == [
+        ("schedule", 1, AB), ("launch", 1, AB), ("wait", 1, AB), ("process", 1, AB), ("reply", 1, AB),
+        ("schedule", 2, AB), ("launch", 2, AB), ("wait", 2, AB), ("process", 2, AB), ("reply", 2, AB),
+        ("schedule", 3, B), ("launch", 3, B), ("wait", 3, B), ("process", 3, B), ("reply", 3, B),
+        ("schedule", 4, B), ("launch", 4, B), ("wait", 4, B), ("process", 4, B), ("reply", 4, B)]
+    overlap = LLM(model="tiny", overlap=True)
+    overlap.generate([[5, 6, 7], [8, 9]], params)
+    assert [(e.kind, e.step, e.uids) for e in overlap.trace] == [
+        ("schedule", 1, AB), ("launch", 1, AB),
+        ("schedule", 2, AB), ("launch", 2, AB), ("wait", 1, AB), ("process", 1, AB), ("reply", 1, AB),
+        ("schedule", 3, B), ("launch", 3, B), ("wait", 2, AB), ("process", 2, AB), ("reply", 2, AB),
+        ("schedule", 4, B), ("launch", 4, B), ("wait", 3, B), ("process", 3, B), ("reply", 3, B),
+        ("wait", 4, B), ("process", 4, B), ("reply", 4, B)]
+
+
+class FakeTimingEvent:
+    """What the trace uses of a CUDA timing event: elapsed_time(other), the ms from this event to other."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, other: "FakeTimingEvent") -> float:
+        return other.ms - self.ms
+
+
+def test_gpu_spans_and_gaps_from_timing_events():
+    """record_gpu keeps each handled step's GPU (start, end) in ms from the first step's start, and
+    gpu_gaps_ms is the GPU's idle time before each step, start(N) - end(N-1): hand-computed here on fake
+    timing events (CUDA's exist only on a GPU). A CPU's None events record nothing."""
+    trace = Trace()
+    trace.record_gpu(1, None, None)
+    assert trace.gpu == {} and trace.gpu_gaps_ms() == []
+    for step, (start, end) in {1: (100.0, 101.5), 2: (101.625, 102.5), 3: (102.75, 103.0)}.items():
+        trace.record_gpu(step, FakeTimingEvent(start), FakeTimingEvent(end))
+    assert trace.gpu == {1: (0.0, 1.5), 2: (1.625, 2.5), 3: (2.75, 3.0)}
+    assert trace.gpu_gaps_ms() == [0.125, 0.25]
+
+
+def test_generate_serves_the_prompt_with_either_loop():
+    """`minioverlap generate --loop normal` and `--loop overlap` stream the same completion."""
+    outs = [subprocess.run([sys.executable, "-m", "minioverlap", "generate", "def f(x):", "--max-tokens", "6",
+                            "--loop", loop], capture_output=True, text=True, timeout=300) for loop in ("normal", "overlap")]
+    assert [o.returncode for o in outs] == [0, 0], outs[0].stderr + outs[1].stderr
+    assert outs[0].stdout == outs[1].stdout and "(6 tokens, finish_reason=length)" in outs[0].stdout
+
+
+def test_trace_chrome_makes_its_folder_and_gives_every_event_its_slice(tmp_path):
+    """`--chrome` into a folder that does not exist yet creates it. The host track has one slice per
+    event, schedule 1 first, from the run's start: the slices follow one another with no gap. A path
+    whose folder cannot be made is refused before anything runs."""
+    path = tmp_path / "traces" / "today" / "trace.json"
+    run = subprocess.run([sys.executable, "-m", "minioverlap", "trace", "--loop", "overlap", "--chrome", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    host = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 1]
+    assert len(host) == 15 and host[0]["name"] == "schedule 1" and host[0]["ts"] == 0 and host[0]["dur"] > 0
+    assert all(abs(a["ts"] + a["dur"] - b["ts"]) < 1e-3 for a, b in zip(host, host[1:]))
+    (tmp_path / "a_file").write_text("")
+    bad = subprocess.run([sys.executable, "-m", "minioverlap", "trace", "--chrome", str(tmp_path / "a_file" / "t.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--chrome" in bad.stderr and "cannot make its folder" in bad.stderr
+    assert "the normal loop" not in bad.stdout and "Traceback" not in bad.stderr
+
+
+def test_the_chrome_trace_starts_the_first_phase_at_the_runs_start():
+    """Given the run's start, the first event's slice starts there, at 0, and the GPU track (if any)
+    keeps step 1 where the host scheduled it; without one, the first slice has no length."""
+    import time
+
+    llm = LLM(model="tiny")
+    start = time.perf_counter_ns()
+    llm.generate(["def f(x):"], SamplingParams(max_tokens=2, ignore_eos=True))
+    trace = llm.trace
+    trace.gpu = {1: (0.0, 1.5), 2: (1.625, 2.5)}
+    events = chrome_trace({"normal": trace}, {"normal": start})["traceEvents"]
+    host = [e for e in events if e["ph"] == "X" and e["tid"] == 1]
+    scheduled = (trace[0].t_ns - start) / 1e3
+    assert (host[0]["name"], host[0]["ts"], host[0]["dur"]) == ("schedule 1", 0.0, scheduled) and scheduled > 0
+    assert [e["ts"] for e in events if e["ph"] == "X" and e["tid"] == 2] == [scheduled, scheduled + 1625.0]
+    first = [e for e in chrome_trace({"normal": trace})["traceEvents"] if e["ph"] == "X"][0]
+    assert (first["name"], first["ts"], first["dur"]) == ("schedule 1", 0.0, 0.0)

@@ -171,6 +171,26 @@ def test_a_stop_token_that_is_also_the_max_tokens_th_token_finishes_with_stop():
     llm.check_integrity()
 
 
+def test_slot_reuse_the_deferred_slot_comes_back_at_the_very_next_handle():
+    """The deferred release's step: with one request slot, A stops at step N while step N+1 (which holds
+    A's row) is in flight; the row comes back when step N+1 is handled, and B's prefill is the next
+    step launched. Released one handle later, B would wait for a step that never comes: the scheduler
+    says it is stalled (a RuntimeError), it does not hang."""
+    llm, violations = watched(overlap=True, max_running=1, page_size=4)
+    a, b = llm.encode("def fibonacci(n):"), llm.encode("class Stack:")
+    stop = stop_token_after(llm, a, 3)
+    got = run_clients(llm, [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,))),
+                            Plan(b, SamplingParams(max_tokens=2, ignore_eos=True))])
+    assert violations == [] and got[0].finish_reason == "stop" and len(got[1].tokens) == 2
+    events = [(e.kind, e.step, e.uids) for e in llm.trace if e.kind in ("launch", "process")]
+    a_steps = [step for kind, step, uids in events if kind == "launch" and uids == (0,)]
+    b_prefill = next(step for kind, step, uids in events if kind == "launch" and uids == (1,))
+    assert b_prefill == a_steps[-1] + 1, "B's prefill is the first step after the last one that held A's row"
+    launch_b = events.index(("launch", b_prefill, (1,)))
+    assert events[launch_b - 1] == ("process", a_steps[-1], (0,)), "... launched right after that step is handled"
+    llm.check_integrity()
+
+
 # ---- everything at once: random schedules
 
 def random_plans(rng: random.Random, stops: list[int], *, clients: int = 6, max_tokens: int = 14,

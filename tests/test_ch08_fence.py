@@ -70,6 +70,57 @@ def test_the_fence_waits_for_the_event_or_else_for_the_whole_forward_stream():
                 h.access("token_pool", [(1, 1)], "write", "the scheduler rewrites what the sampler wrote")
 
 
+# ---- the tables record their own accesses
+
+def step_tables(kv_slots: list[int]):
+    """Request slot 1 holding len(kv_slots) tokens, the checker on, and a one-request decode batch of it."""
+    from types import SimpleNamespace
+
+    from minioverlap.cache.req_to_token import ReqToTokenPool
+
+    h = HazardChecker()
+    streams, tables = Streams("cpu", h), ReqToTokenPool(2, 16, "cpu", h)
+    n = len(kv_slots)
+    batch = SimpleNamespace(rows=[1], prefix_lens=[n - 1], extend_lens=[1], max_seq_len=n,
+                            req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([n]))
+    batch.page_cells = lambda: [(1, i) for i in range(n)]
+    return h, streams, tables, batch
+
+
+def test_a_single_slot_append_over_a_read_in_flight_raises():
+    """A decode's slot append is a scheduler write of one element. Written into a position the running
+    step's page-table read covers, with no fence, it races, and the checker sees that one element."""
+    h, streams, tables, batch = step_tables([5, 6, 7])
+    with streams.schedule():
+        tables.write(1, 0, [5, 6, 7])
+        with streams.forward():
+            tables.page_table(batch)                     # the step reads positions 0..2 of row 1
+        tables.write(1, 3, [8])                          # an append past them: no race
+        with pytest.raises(HazardError, match=r"req_to_token row 1, position 2: write on the schedule stream"):
+            tables.write(1, 2, [9])                      # one element it read: a race
+
+
+def test_a_page_table_read_after_the_read_done_event_is_a_race_behind_the_fence():
+    """The fence covers the reads made before the step's read-done event, and no later one: a pass that
+    read req_to_token after the event (a layer reading the table again, say) races with the scheduler's
+    next write behind the fence. The checker sees it because the read is recorded where it happens."""
+    for late_read in (False, True):
+        h, streams, tables, batch = step_tables([5, 6, 7])
+        with streams.schedule():
+            tables.write(1, 0, [5, 6, 7])
+            with streams.forward():
+                tables.page_table(batch)
+                read_done = streams.record()
+                if late_read:
+                    tables.page_table(batch)
+            streams.fence(read_done)
+            if late_read:
+                with pytest.raises(HazardError, match=r"read on the forward stream \(step 0: attention reads the page table\)"):
+                    tables.write(1, 0, [9])
+            else:
+                tables.write(1, 0, [9])                  # behind the fence: ordered after the read
+
+
 # ---- the engine with its defaults
 
 @pytest.mark.parametrize("seed", range(16))

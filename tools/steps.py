@@ -3,12 +3,13 @@
 minioverlap/ holds the final engine. Markers in the source (`# >>> ch06: ...` / `# <<< ch06`) say
 when each block arrives; this tool derives the tree as of any chapter (a *stage*) and proves that
 every stage works: its tests pass, its example runs, every regression test catches the bug it was
-written for, and every snippet in the chapters equals its stage's source. tools/README.md holds the
-grammar; this file is the splitter and the checker.
+written for, the tests catch every bug planted in the registry, and every snippet in the chapters
+equals its stage's source. It also holds the source to rules that keep it readable as chapters pile
+up. tools/README.md holds the grammar; this file is the splitter and the checker.
 
     python tools/steps.py build N                  # build/stages/chNN/
     python tools/steps.py check [--chapters 1-3] [--no-proofs]
-    python tools/steps.py diff N | tree N | snippets [--write]
+    python tools/steps.py diff N [--code] | tree N | bugs N | snippets [--write]
 
 practice/judge.py imports it (`sys.path.insert(0, "tools"); import steps`) for load_registry,
 build_stage, find_exercises and run_pytest.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import io
 import json
 import os
 import re
@@ -27,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+import tokenize
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,11 +42,13 @@ REGISTRY = "chapters/chapters.toml"
 STAGED = ("tests", "examples", "chapters", "practice")  # and the package folder
 NOT_STAGED = ("tests/tools", "practice/workspace")
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".mypy_cache", ".ruff_cache"}
+PROSE = (".md", ".rst", ".txt")  # what `diff --code` leaves out, with chapters/
+TEST_TIMEOUT = 120  # seconds per test in a stage, as [tool.pytest.ini_options] timeout in pyproject.toml
 
 MARKER = re.compile(r"^(?P<indent>[ \t]*)# (?P<dir>>>>|<<<) (?P<body>.*?)\s*$")
 LOOKS_LIKE_MARKER = re.compile(r"^[ \t]*#\s*(>>>|<<<)")
 OLD_LINE = re.compile(r"^[ \t]*#\|(?P<rest>.*)$")
-OPEN_CH = re.compile(r"ch(?P<ch>\d+)(?: fix (?P<fix>[\w.-]+))?(?: replaces ch(?P<old>\d+))?"
+OPEN_CH = re.compile(r"ch(?P<ch>\d+)(?: fix (?P<fix>[\w.-]+))?(?: (?P<kind>replaces|removes) ch(?P<old>\d+))?"
                      r":(?: (?P<text>.*))?$")
 OPEN_FILE = re.compile(r"ch(?P<ch>\d+) file:(?: .*)?$")
 OPEN_EXERCISE = re.compile(r"exercise (?P<id>(?P<ch>\d+)\.\d+): (?P<title>\S.*)$")
@@ -69,6 +75,17 @@ class Fix:
 
 
 @dataclass(frozen=True)
+class Bug:
+    """A planted bug: `pattern` (exactly once in `file` of the chapter's stage) becomes `replacement`,
+    and `tests` must then fail."""
+    name: str
+    file: str
+    pattern: str
+    replacement: str
+    tests: list[str]
+
+
+@dataclass(frozen=True)
 class Chapter:
     number: int
     slug: str
@@ -76,6 +93,7 @@ class Chapter:
     example: str | None
     tests: list[str]
     fixes: list[Fix] = field(default_factory=list)
+    bugs: list[Bug] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -116,11 +134,13 @@ def load_registry(root: Path) -> Registry:
     for i, c in enumerate(data.get("chapter", [])):
         try:
             fixes = [Fix(f["name"], list(f["tests"])) for f in c.get("fix", [])]
+            bugs = [Bug(b["name"], b["file"], b["pattern"], b["replacement"],
+                        list(b.get("tests", c["tests"]))) for b in c.get("bug", [])]
             chapters.append(Chapter(int(c["number"]), c["slug"], c["title"], c.get("example"),
-                                    list(c.get("tests", [])), fixes))
+                                    list(c.get("tests", [])), fixes, bugs))
         except (KeyError, TypeError, ValueError) as e:
             line = headers[i] if i < len(headers) else 1
-            raise MarkerError(f"{REGISTRY}:{line}: this chapter (or one of its fixes) lacks or "
+            raise MarkerError(f"{REGISTRY}:{line}: this chapter (or one of its fixes or bugs) lacks or "
                               f"mistypes {e}") from None
     numbers = [c.number for c in chapters]
     if numbers != sorted(set(numbers)):
@@ -146,13 +166,18 @@ class Block:
     exercise: str | None = None  # "02.1" for a solution region
     title: str = ""
     fix: str | None = None
-    replaces: int | None = None
+    replaces: int | None = None  # the chapter whose code a `replaces` or `removes` block takes out
+    removes: bool = False  # `removes`: a `replaces` block with nothing new, only `#|` lines
     old: list[str] = field(default_factory=list)  # the `#|` lines, uncommented
     body: list[Block | str] = field(default_factory=list)
 
     @property
     def head(self) -> str:
         return f"# >>> exercise {self.exercise}" if self.exercise else f"# >>> ch{self.chapter:02d}"
+
+    @property
+    def kind(self) -> str:
+        return "removes" if self.removes else "replaces"
 
 
 @dataclass
@@ -180,25 +205,30 @@ def blocks(nodes: list[Block | str]) -> Iterator[Block]:
 
 
 def parse_source(text: str, path: str) -> tuple[Source, list[str]]:
-    """Parse the markers of one file into a tree; returns it with every balance error found."""
+    """Parse the markers of one file into a tree; returns it with every balance error found.
+
+    Only comments are markers: a line inside a string is plain text (the rules report it)."""
     nodes: list[Block | str] = []
     stack: list[Block] = []
     errors: list[str] = []
     file_chapter, old_of = None, None  # old_of: the `replaces` block whose `#|` lines may follow
+    in_string = lex(text).strings
     for n, line in enumerate(text.splitlines(), 1):
-        if (m := OLD_LINE.match(line)):
+        comment = n not in in_string
+        if comment and (m := OLD_LINE.match(line)):
             if old_of is None:
-                errors.append(f"{path}:{n}: stray '#|' line: old code may only follow a 'replaces' marker")
+                errors.append(f"{path}:{n}: stray '#|' line: old code may only follow a 'replaces' or "
+                              f"'removes' marker")
             else:
                 rest = m["rest"][1:] if m["rest"].startswith(" ") else m["rest"]
                 old_of.old.append(old_of.indent + rest if rest else "")
             continue
         if old_of is not None and not old_of.old:
-            errors.append(f"{path}:{old_of.line}: a 'replaces' marker needs the old code as '#|' lines")
+            errors.append(f"{path}:{old_of.line}: a '{old_of.kind}' marker needs the old code as '#|' lines")
         old_of = None
-        m = MARKER.match(line)
+        m = MARKER.match(line) if comment else None
         if m is None:
-            if LOOKS_LIKE_MARKER.match(line):
+            if comment and LOOKS_LIKE_MARKER.match(line):
                 errors.append(f"{path}:{n}: malformed marker {line.strip()!r} (see tools/README.md)")
             else:
                 (stack[-1].body if stack else nodes).append(line)
@@ -223,7 +253,7 @@ def _open(body: str, path: str, line: int, indent: str) -> Block | None:
         return Block(path, line, indent, int(e["ch"]), exercise=e["id"], title=e["title"])
     if (c := OPEN_CH.match(body)):
         return Block(path, line, indent, int(c["ch"]), fix=c["fix"], title=c["text"] or "",
-                     replaces=int(c["old"]) if c["old"] else None)
+                     replaces=int(c["old"]) if c["old"] else None, removes=c["kind"] == "removes")
     return None
 
 
@@ -241,6 +271,150 @@ def _close(body: str, shown: str, where: str, stack: list[Block], errors: list[s
             del stack[len(keys) - 1 - keys[::-1].index(key):]
     else:
         stack.pop()
+
+
+# ---------------------------------------------------------------- the rules that keep the source readable
+
+HISTORY_SHARE = 0.40  # the most of a function's lines that may be markers or kept old code
+HISTORY_MIN_LINES = 10  # functions shorter than this are not held to the budget
+MAX_DEPTH = 2  # blocks inside blocks, a file marker not counted
+Def = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+class Lexed(NamedTuple):
+    """What the tokenizer tells about a file: where strings and statement headers are."""
+    strings: set[int]  # lines inside a multi-line string, after its first line
+    headers: list[tuple[int, int]]  # (last line of a compound statement's header, its body's first line)
+    error: str | None  # why the file does not tokenize, if it does not
+
+
+def lex(text: str) -> Lexed:
+    """Tokenize a file: the lines inside strings and the gap between each header and its body."""
+    strings: set[int] = set()
+    headers: list[tuple[int, int]] = []
+    starts: list[int] = []  # open f-strings (Python 3.12 tokenizes them in parts)
+    prev, header = None, None
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            kind, (row, _), (end, _) = tok.type, tok.start, tok.end
+            if kind == tokenize.STRING:
+                strings |= set(range(row + 1, end + 1))
+            elif kind == getattr(tokenize, "FSTRING_START", None):
+                starts.append(row)
+            elif kind == getattr(tokenize, "FSTRING_END", None):
+                strings |= set(range(starts.pop() + 1, end + 1))
+            if kind == tokenize.NEWLINE and prev is not None and prev.string == ":":
+                header = row
+            elif header is not None and kind not in (tokenize.COMMENT, tokenize.NL):
+                headers.append((header, row))
+                header = None
+            if kind not in (tokenize.COMMENT, tokenize.NL):
+                prev = tok
+    except (tokenize.TokenError, SyntaxError) as e:
+        return Lexed(strings, headers, str(e))
+    return Lexed(strings, headers, None)
+
+
+def layout_errors(text: str, source: Source) -> list[str]:
+    """The rules that keep the final source readable as chapters pile up (tools/README.md)."""
+    lexed = lex(text)
+    if lexed.error is not None:
+        return [f"{source.path}:1: not valid Python, so its markers cannot be checked: {lexed.error}"]
+    lines = text.splitlines()
+    errors = (header_errors(lines, lexed, source.path) + string_marker_errors(lines, lexed, source.path)
+              + depth_errors(source.nodes, 1) + kept_nothing_errors(source)
+              + budget_errors(text, lexed, source.path))
+    return sorted(errors, key=lambda e: int(e.split(":")[1]))  # in the file's order
+
+
+def is_history(line: str) -> bool:
+    """A marker line or a line of kept old code."""
+    return bool(LOOKS_LIKE_MARKER.match(line) or OLD_LINE.match(line))
+
+
+def header_errors(lines: list[str], lexed: Lexed, path: str) -> list[str]:
+    """No marker between a statement's header (`if x:`, `def f():`) and its body."""
+    return [f"{path}:{n}: a marker between the header on line {header} and its body: put it before "
+            f"the header or inside the body"
+            for header, body in lexed.headers for n in range(header + 1, body)
+            if LOOKS_LIKE_MARKER.match(lines[n - 1])]
+
+
+def string_marker_errors(lines: list[str], lexed: Lexed, path: str) -> list[str]:
+    """No marker (or `#|` line) inside a string: only comments are markers."""
+    return [f"{path}:{n}: {lines[n - 1].strip()!r} inside a string: only a comment can be a marker"
+            for n in sorted(lexed.strings) if n <= len(lines) and is_history(lines[n - 1])]
+
+
+def depth_errors(nodes: list[Block | str], depth: int) -> list[str]:
+    """Blocks nest at most MAX_DEPTH deep; chapter blocks and exercise regions count alike."""
+    errors = []
+    for b in (node for node in nodes if isinstance(node, Block)):
+        if depth > MAX_DEPTH:
+            errors.append(f"{b.path}:{b.line}: '{b.head.removeprefix('# >>> ')}' is nested {depth} deep "
+                          f"(at most {MAX_DEPTH}, a file marker not counted): move it into a helper")
+        errors += depth_errors(b.body, depth + 1)
+    return errors
+
+
+def has_code(nodes: list[Block | str]) -> bool:
+    return any(n.strip() if isinstance(n, str) else has_code(n.body) for n in nodes)
+
+
+def kept_nothing_errors(source: Source) -> list[str]:
+    """A `replaces` block holds new code; a `removes` block holds none (only its `#|` lines)."""
+    errors = []
+    for b in (b for b in blocks(source.nodes) if b.replaces is not None):
+        where, label = f"{b.path}:{b.line}", f"ch{b.chapter:02d} {b.kind} ch{b.replaces:02d}"
+        if not b.removes and not has_code(b.body):
+            errors.append(f"{where}: '{label}' keeps no new code: a removal is written "
+                          f"'ch{b.chapter:02d} removes ch{b.replaces:02d}'")
+        elif b.removes and has_code(b.body):
+            errors.append(f"{where}: '{label}' holds new code: a 'removes' block holds only '#|' lines "
+                          f"(new code is written with 'replaces')")
+    return errors
+
+
+def budget_errors(text: str, lexed: Lexed, path: str) -> list[str]:
+    """In a function of HISTORY_MIN_LINES lines or more, at most HISTORY_SHARE of them are history."""
+    lines, errors = text.splitlines(), []
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError) as e:
+        return [f"{path}:{getattr(e, 'lineno', 1) or 1}: not valid Python, so its functions cannot be "
+                f"checked: {e}"]
+    for name, node in functions(tree):
+        first, last = function_span(node, lines)
+        kept = sum(is_history(lines[n - 1]) for n in range(first, last + 1) if n not in lexed.strings)
+        size = last - first + 1
+        if size >= HISTORY_MIN_LINES and kept > HISTORY_SHARE * size:
+            errors.append(f"{path}:{node.lineno}: function {name} spans {size} lines, {kept} of them markers "
+                          f"or kept old code ({kept / size:.0%}, at most {HISTORY_SHARE:.0%}): restructure "
+                          f"(a helper, a parameter on its own line) rather than stack history")
+    return errors
+
+
+def functions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, Def]]:
+    """Every def under `node` with its qualified name (`Class.method`, `outer.inner`)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, Def):
+            yield prefix + child.name, child
+        named = isinstance(child, Def | ast.ClassDef)
+        yield from functions(child, f"{prefix}{child.name}." if named else prefix)
+
+
+def function_span(node: Def, lines: list[str]) -> tuple[int, int]:
+    """First and last line of a def as written: decorators, and the comments indented under it that
+    follow its last statement (a closing marker, say), included."""
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    last = n = node.end_lineno or node.lineno
+    while n < len(lines) and (not lines[n].strip() or lines[n].lstrip().startswith("#")):
+        if lines[n].strip():
+            if len(lines[n]) - len(lines[n].lstrip()) <= node.col_offset:
+                break
+            last = n + 1
+        n += 1
+    return first, last
 
 
 # ---------------------------------------------------------------- the book: registry + sources
@@ -281,11 +455,12 @@ def load_book(root: Path) -> Book:
     files, sources = {}, {}
     for rel in source_paths(root, registry.package):
         if rel.endswith(".py"):
-            sources[rel], found = parse_source((root / rel).read_text(), rel)
-            errors += found
+            text = (root / rel).read_text()
+            sources[rel], found = parse_source(text, rel)
+            errors += found + layout_errors(text, sources[rel])
         files[rel] = file_chapter(rel, sources.get(rel), (registry.numbers or [1])[0])
     book = Book(root, registry, files, sources)
-    errors += marker_errors(book) + registry_errors(book)
+    errors += marker_errors(book) + registry_errors(book) + bug_errors(book)
     if errors:
         raise MarkerError(f"{len(errors)} structural error(s):\n" + "\n".join(errors), errors)
     return book
@@ -306,8 +481,8 @@ def marker_errors(book: Book) -> list[str]:
         errors += [f"{where}: unknown chapter ch{n:02d} in '{label}' (the registry has {sorted(known)})"
                    for n in (b.chapter, b.replaces) if n is not None and n not in known]
         if b.replaces is not None and b.replaces >= b.chapter:
-            errors.append(f"{where}: ch{b.chapter:02d} replaces ch{b.replaces:02d}: it must replace an "
-                          f"earlier chapter")
+            errors.append(f"{where}: ch{b.chapter:02d} {b.kind} ch{b.replaces:02d}: it must "
+                          f"{b.kind.removesuffix('s')} an earlier chapter")
         if min(b.chapter, b.replaces or b.chapter) < outer:
             errors.append(f"{where}: '{label}' sits inside ch{outer:02d} code: an inner chapter must be "
                           f">= the outer one")
@@ -337,13 +512,34 @@ def registry_errors(book: Book) -> list[str]:
     """Every registry test, fix test and example exists and arrives no later than its chapter."""
     errors = []
     for c in book.registry.chapters:
-        for ref in [c.example] * bool(c.example) + c.tests + [t for f in c.fixes for t in f.tests]:
+        named = [t for f in c.fixes for t in f.tests] + [t for b in c.bugs for t in b.tests]
+        for ref in dict.fromkeys([c.example] * bool(c.example) + c.tests + named):
             rel, where = ref.split("::")[0], f"{REGISTRY}:{book.registry.line_of(re.escape(ref))}"
             if rel not in book.files:
                 errors.append(f"{where}: ch{c.number:02d} names {rel}, which is not in the source tree")
             elif book.files[rel] > c.number:
                 errors.append(f"{where}: ch{c.number:02d} names {rel}, which arrives in "
                               f"ch{book.files[rel]:02d}: stage {c.number:02d} lacks it")
+    return errors
+
+
+def bug_errors(book: Book) -> list[str]:
+    """Every planted bug has a unique name and a pattern found exactly once in its file of the stage."""
+    errors, seen = [], set()
+    for c in book.registry.chapters:
+        for bug in c.bugs:
+            line = book.registry.line_of(rf"name\s*=\s*[\"']{re.escape(bug.name)}[\"']")
+            where, what = f"{REGISTRY}:{line}", f"bug '{bug.name}' of ch{c.number:02d}"
+            if bug.name in seen:
+                errors.append(f"{where}: {what}: the name is already taken")
+            seen.add(bug.name)
+            if book.files.get(bug.file, c.number + 1) > c.number:
+                errors.append(f"{where}: {what}: stage {c.number:02d} has no {bug.file}")
+            elif (count := stage_text(book, bug.file, c.number).count(bug.pattern)) != 1:
+                errors.append(f"{where}: {what}: its pattern {bug.pattern!r} occurs {count} times in "
+                              f"{bug.file} of stage {c.number:02d}; it must occur exactly once")
+            elif bug.pattern == bug.replacement:
+                errors.append(f"{where}: {what}: the replacement equals the pattern")
     return errors
 
 
@@ -392,6 +588,17 @@ def build_stage(root: Path, chapter: int, dest: Path, *, revert: str | None = No
     return _build(load_book(root), chapter, Path(dest), revert=revert, stub=stub)
 
 
+def stage_text(book: Book, rel: str, chapter: int, *, revert: str | None = None, stub: str | None = None,
+               stubbed: set[str] | None = None) -> str:
+    """One file's text as stage `chapter` holds it (the file must arrive by then)."""
+    if (source := book.sources.get(rel)) is not None:
+        lines = tidy(render(source.nodes, chapter, revert, stub, set() if stubbed is None else stubbed))
+        return "\n".join(lines) + "\n" * (bool(lines) and source.trailing_newline)
+    if rel == REGISTRY:
+        return filtered_registry_text(book.registry.text, chapter)
+    return (book.root / rel).read_text()
+
+
 def _build(book: Book, chapter: int, dest: Path, *, revert: str | None = None,
            stub: str | None = None) -> Path:
     book.registry.chapter(chapter)
@@ -406,11 +613,8 @@ def _build(book: Book, chapter: int, dest: Path, *, revert: str | None = None,
     for rel in (rel for rel, arrives in book.files.items() if arrives <= chapter):
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        if (source := book.sources.get(rel)) is not None:
-            lines = tidy(render(source.nodes, chapter, revert, stub, stubbed))
-            target.write_text("\n".join(lines) + "\n" * (bool(lines) and source.trailing_newline))
-        elif rel == REGISTRY:
-            target.write_text(filtered_registry_text(book.registry.text, chapter))
+        if rel in book.sources or rel == REGISTRY:
+            target.write_text(stage_text(book, rel, chapter, revert=revert, stub=stub, stubbed=stubbed))
         else:
             shutil.copy2(book.root / rel, target)
     if stub is not None and stub not in stubbed:
@@ -438,11 +642,12 @@ def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True,
                timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run pytest on `targets` in a stage, importing the stage's package, not an installed one.
 
-    The run is hermetic: an empty ini file stands in for any pytest config above the stage (a stage
-    under the repository would otherwise take the repository's, `pythonpath` included)."""
+    The run is hermetic: an ini file of its own stands in for any pytest config above the stage (a stage
+    under the repository would otherwise take the repository's, `pythonpath` included). It holds only
+    pytest-timeout's per-test limit, so that a test that hangs fails with its name."""
     stage = Path(stage).resolve()
     with tempfile.TemporaryDirectory(prefix="steps-ini-") as tmp:
-        (ini := Path(tmp) / "pytest.ini").write_text("[pytest]\n")
+        (ini := Path(tmp) / "pytest.ini").write_text(f"[pytest]\ntimeout = {TEST_TIMEOUT}\n")
         cmd = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-c", str(ini),
                "--rootdir", str(stage), "--confcutdir", str(stage), *["-q"] * quiet]
         return _run(cmd, stage, stage_env(stage), timeout)
@@ -605,19 +810,24 @@ def say(text: str, style: str | None = None) -> None:
 
 
 class Report:
-    """One line per check as it finishes; the closing line counts them."""
+    """One line per check as it finishes, with its wall time (the time since the line before: checks
+    run one after another); the total, then the closing line that counts them."""
 
     def __init__(self) -> None:
         self.passed = self.failed = 0
+        self.start = self.last = time.monotonic()
 
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.passed, self.failed = self.passed + ok, self.failed + (not ok)
-        summary = detail.partition("\n")[0] if ok else ""
-        say(f"{name:<28} {'pass' if ok else 'FAIL'}  {summary}".rstrip(), "green" if ok else "bold red")
+        now, summary = time.monotonic(), detail.partition("\n")[0] if ok else ""
+        seconds, self.last = now - self.last, now
+        say(f"{name:<32} {'pass' if ok else 'FAIL'} {seconds:7.1f} s  {summary}".rstrip(),
+            "green" if ok else "bold red")
         if detail and not ok:
             say(textwrap.indent(detail, "    | "), "red")
 
     def close(self) -> int:
+        print(f"total {time.monotonic() - self.start:.1f} s", flush=True)
         print(f"{self.passed} passed, {self.failed} failed", flush=True)
         return 1 if self.failed else 0
 
@@ -675,6 +885,8 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     for fix in chapter.fixes if proofs else []:
         problems = revert_proof(book, n, fix, stage, tmp, timeout)
         report.add(f"proof {fix.name}", not problems, "\n".join(problems))
+    for bug in chapter.bugs if proofs else []:
+        report.add(f"bug {bug.name}", *bug_proof(bug, stage, tmp, timeout * 4))
     return stage
 
 
@@ -692,6 +904,24 @@ def revert_proof(book: Book, n: int, fix: Fix, stage: Path, tmp: Path, timeout: 
             problems.append(f"{test} {what} with fix '{fix.name}' reverted: it does not catch the bug"
                             + f"\n{tail(bad, 10)}" * (bad.returncode != 0))
     return problems
+
+
+def bug_proof(bug: Bug, stage: Path, tmp: Path, timeout: float) -> tuple[bool, str]:
+    """A copy of the stage with the bug planted fails its tests: pytest -x exits 1 (a test ran and
+    failed). Returns (caught, the test that caught it or what went wrong)."""
+    planted = tmp / f"{stage.name}-bug-{bug.name}"
+    shutil.copytree(stage, planted)
+    path = planted / bug.file
+    path.write_text(path.read_text().replace(bug.pattern, bug.replacement))
+    r = run_pytest(planted, [*bug.tests, "-x"], timeout=timeout)
+    if r.returncode == 1:
+        failed = [line for line in r.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        by = failed[0].split(" - ")[0].split(" ", 1)[1] if failed else "the tests"
+        return True, f"caught by {by}" + " (it timed out)" * ("Timeout (>" in r.stdout)
+    if r.returncode == 0:
+        return False, f"the tests do not catch bug {bug.name}: {', '.join(bug.tests)} pass with it planted"
+    return False, (f"bug {bug.name}: the tests do not run with it planted (pytest exit {r.returncode})\n"
+                   + tail(r, 10))
 
 
 # ---------------------------------------------------------------- build, diff, tree, snippets
@@ -713,22 +943,43 @@ def as_text(data: bytes | None) -> str | None:
         return None
 
 
-def cmd_diff(book: Book, n: int) -> int:
+def is_prose(rel: str) -> bool:
+    """The chapters' text and registry, and any other prose: what `diff --code` leaves out."""
+    return rel.startswith("chapters/") or rel.endswith(PROSE)
+
+
+def say_diff(old: str, new: str, names: tuple[str, str], context: int = 3) -> None:
+    styles = {"+++": "bold", "---": "bold", "+": "green", "-": "red", "@": "cyan"}
+    for line in difflib.unified_diff(old.splitlines(), new.splitlines(), *names, lineterm="", n=context):
+        say(line, styles.get(line[:3], styles.get(line[:1])))
+
+
+def cmd_diff(book: Book, n: int, code: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="steps-diff-") as tmp:
         before, after = two_stages(book, n, Path(tmp))
-    styles = {"+++": "bold", "---": "bold", "+": "green", "-": "red", "@": "cyan"}
     for rel in sorted(before.keys() | after.keys()):
         a, b = before.get(rel), after.get(rel)
         old, new = as_text(a), as_text(b)
-        if a == b:
+        if a == b or (code and is_prose(rel)):
             continue
         if old is None or new is None:
             what = "added" if a is None else "removed" if b is None else "changed"
             say(f"binary file {what}: {rel}", "bold")
             continue
-        names = (f"a/{rel}" if a is not None else "/dev/null", f"b/{rel}" if b is not None else "/dev/null")
-        for line in difflib.unified_diff(old.splitlines(), new.splitlines(), *names, lineterm=""):
-            say(line, styles.get(line[:3], styles.get(line[:1])))
+        say_diff(old, new, (f"a/{rel}" if a is not None else "/dev/null",
+                            f"b/{rel}" if b is not None else "/dev/null"))
+    return 0
+
+
+def cmd_bugs(book: Book, n: int) -> int:
+    """Chapter n's planted bugs, each as the unified diff of its change to stage n."""
+    bugs = book.registry.chapter(n).bugs
+    if not bugs:
+        say(f"chapter {n:02d} plants no bugs")
+    for bug in bugs:
+        old = stage_text(book, bug.file, n)
+        say(f"bug {bug.name}: {', '.join(bug.tests)} catch it", "bold")
+        say_diff(old, old.replace(bug.pattern, bug.replacement), (f"a/{bug.file}", f"b/{bug.file}"), 1)
     return 0
 
 
@@ -781,8 +1032,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steps.py", description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="the book's root (default: this repository)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("build", "diff", "tree"):
+    for name in ("build", "diff", "tree", "bugs"):
         sub.add_parser(name).add_argument("chapter", type=int)
+    sub.choices["diff"].add_argument("--code", action="store_true", help="only code: no chapters/, no prose")
     check = sub.add_parser("check")
     check.add_argument("--chapters", help="the stages to check, e.g. 1-3 or 2,5 (default: all)")
     check.add_argument("--no-proofs", action="store_true", help="skip the revert proofs")
@@ -801,7 +1053,9 @@ def main(argv: list[str] | None = None) -> int:
         book = load_book(root)
         if args.command == "snippets":
             return cmd_snippets(book, args.write)
-        return {"diff": cmd_diff, "tree": cmd_tree}[args.command](book, args.chapter)
+        if args.command == "diff":
+            return cmd_diff(book, args.chapter, args.code)
+        return {"tree": cmd_tree, "bugs": cmd_bugs}[args.command](book, args.chapter)
     except MarkerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

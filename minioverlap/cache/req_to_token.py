@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 
 class ReqToTokenPool:
+    """The request tables and their free request slots."""
+
     # >>> ch08 replaces ch02: the checker sees every access
     #| def __init__(self, max_running: int, max_seq_len: int, device: str | torch.device) -> None:
     def __init__(self, max_running: int, max_seq_len: int, device: str | torch.device,
@@ -113,7 +115,9 @@ class ReqToTokenPool:
 
     def write_next_tokens(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
         """Each request's sampled token, at its position seq_len: the next step's input."""
+        # >>> exercise 05.1: keep the token on the device
         self.token_pool[batch.req_pool_indices, batch.seq_lens] = tokens.to(torch.int32)
+        # <<< exercise 05.1
         # >>> ch08: the checker
         self.record("token_pool", batch.next_cells(), "write", "the sampler writes the next input tokens")
         # <<< ch08

@@ -37,6 +37,8 @@ class Event:
 
 
 class Streams:
+    """The schedule stream and the forward stream (no-ops on a CPU)."""
+
     # >>> ch08 replaces ch06: the checker
     #| def __init__(self, device: str | torch.device) -> None:
     def __init__(self, device: str | torch.device, hazards: HazardChecker | None = None) -> None:
@@ -65,9 +67,10 @@ class Streams:
             self.forward_stream.wait_stream(self.schedule_stream)
         # >>> ch08 replaces ch06: the checker
         #| with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext():
+        #|     yield
         with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext(), self.on("forward", "schedule"):
-            # <<< ch08
             yield
+        # <<< ch08
 
     def timestamp(self) -> torch.cuda.Event | None:
         """A timing event recorded on the current stream (CUDA), or None on CPU."""

@@ -61,24 +61,27 @@ class Trace(list):
 # >>> ch06: a file for Perfetto
 
 
-def chrome_trace(traces: dict[str, Trace]) -> dict:
+def chrome_trace(traces: dict[str, Trace], starts: dict[str, int] | None = None) -> dict:
     """Chrome trace-event JSON (Perfetto and chrome://tracing open it): one process per loop; its host
-    thread is one track, each phase a slice that lasts from the event before to its own. On a GPU the
-    forward stream is a second track, each step a slice. CUDA events share no clock with the host, so
-    the GPU track starts step 1 when the host scheduled it: the alignment is approximate, the GPU's
+    thread is one track, each phase a slice that lasts from the event before to its own. The first
+    phase has no event before it: it starts at the run's start, `starts[loop]` (a perf_counter_ns time
+    taken just before the run), or, without one, it is a slice of no length at its own time. On a GPU
+    the forward stream is a second track, each step a slice. CUDA events share no clock with the host,
+    so the GPU track starts step 1 when the host scheduled it: the alignment is approximate, the GPU's
     own spans and gaps are exact. On a CPU there is no second track: `launch` runs the step."""
     events: list[dict] = []
     for pid, (loop, trace) in enumerate(traces.items(), start=1):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{loop} loop"}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "scheduler (host)"}})
-        t0 = trace[0].t_ns
-        for a, b in zip(trace, trace[1:]):
-            events.append({"ph": "X", "name": f"{b.kind} {b.step}", "pid": pid, "tid": 1, "ts": (a.t_ns - t0) / 1e3,
-                           "dur": (b.t_ns - a.t_ns) / 1e3, "args": {"requests": list(b.uids)}})
+        t0 = min(trace[0].t_ns, (starts or {}).get(loop, trace[0].t_ns))     # the time axis's 0
+        for before, e in zip([t0, *(e.t_ns for e in trace)], trace):
+            events.append({"ph": "X", "name": f"{e.kind} {e.step}", "pid": pid, "tid": 1, "ts": (before - t0) / 1e3,
+                           "dur": (e.t_ns - before) / 1e3, "args": {"requests": list(e.uids)}})
         if trace.gpu:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 2, "args": {"name": "forward stream (GPU)"}})
+        scheduled = (trace[0].t_ns - t0) / 1e3       # step 1's GPU start goes where the host scheduled it
         for step, (start, end) in sorted(trace.gpu.items()):
-            events.append({"ph": "X", "name": f"step {step}", "pid": pid, "tid": 2, "ts": start * 1e3,
-                           "dur": (end - start) * 1e3})
+            events.append({"ph": "X", "name": f"step {step}", "pid": pid, "tid": 2,
+                           "ts": scheduled + start * 1e3, "dur": (end - start) * 1e3})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 # <<< ch06

@@ -100,6 +100,7 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     positions = [p for start, n in zip(prefix_lens, extend_lens) for p in range(start, start + n)]
 
     def tensor(values: list[int]) -> torch.Tensor:
+        """A host list as an index tensor on the device."""
         # >>> ch08 replaces ch02: never block on the schedule stream
         #| return torch.tensor(values, dtype=torch.int64, device=device)
         return to_device(values, torch.int64, device)

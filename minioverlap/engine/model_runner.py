@@ -40,8 +40,10 @@ class ModelRunner:
                  guards: Guards = Guards(), hazards: HazardChecker | None = None,
                  # <<< ch08
                  ) -> None:
-        """The model; its KV pool, page allocator and request tables (02); the two streams (06). The
-        runner owns them all: nothing above it touches a device table."""
+        """The runner owns the model and everything a step touches on the device: the KV pool, the page
+        allocator and the request tables (chapter 02), and the two streams (06). From chapter 08 it also
+        holds the guards and the hazard checker, which it gives to everything that records accesses.
+        Nothing above the runner touches a device table."""
         c, weight = model.config, model.model.embed_tokens.weight
         self.model, self.device = model, weight.device
         self.allocator = PageAllocator(num_pages, page_size)
@@ -116,9 +118,7 @@ class ModelRunner:
         """Each request's next token [B], on the device."""
         tokens = sample(self.forward(batch), batch.reqs)
         # >>> ch05: the token stays on the device, where the next step reads it
-        # >>> exercise 05.1: keep the token on the device
         self.tables.write_next_tokens(batch, tokens)
-        # <<< exercise 05.1
         # <<< ch05
         return tokens
 
@@ -153,16 +153,23 @@ class ModelRunner:
 
     # ---- request slots and pages
     def admit(self, req: Req) -> None:
-        """Give the request a request slot (03: and its own generator if seeded)."""
+        """Give the request a request slot; from chapter 03 its own generator if seeded, and its prompt
+        in token_pool."""
         req.row = self.tables.alloc()
         # >>> ch03: per-request sampling; the prompt goes into token_pool
         req.generator = make_generator(req, self.device)
-        # >>> ch08 fix prompt-on-forward-stream replaces ch03: the prefill step writes the prompt itself, on the forward stream
+        self.write_prompt(req)
+        # <<< ch03
+    # >>> ch03: the prompt goes into token_pool
+
+    def write_prompt(self, req: Req) -> None:
+        """The scheduler writes the prompt into token_pool, on the schedule stream (chapter 03)."""
+        # >>> ch08 fix prompt-on-forward-stream replaces ch03: only if asked: by default the prefill writes it, on the forward stream
         #| self.tables.write_tokens(req.row, 0, req.prompt_ids)
         if not self.guards.prompt_on_forward_stream:
             self.tables.write_tokens(req.row, 0, req.prompt_ids)
         # <<< ch08
-        # <<< ch03
+    # <<< ch03
 
     def release(self, req: Req) -> None:
         """Give back the request's pages and its request slot."""

@@ -24,10 +24,18 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
 
 
 def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then one draw from what is left."""
+    """Temperature, then top-k, then top-p, then one draw from what is left.
+
+    The logits are shifted so that the largest is 0 before the division: a temperature so small that
+    the quotients overflow (1e-45) then sends the others to -inf, never the top one to inf or NaN, and
+    the draw is greedy, the limit of sampling as the temperature goes to 0. It is not refused, because
+    where the division overflows depends on the logits, which no check of the parameters sees. The
+    arithmetic is float64, where every temperature SamplingParams accepts and every top_p stays > 0
+    (in float32, 1e-46 and 1e-300 round to 0, which would let top-p drop every token).
+    """
     p = req.params
     # >>> exercise 03.1: top-k and top-p sampling
-    logits = logits / p.temperature
+    logits = (logits.double() - logits.max()) / p.temperature     # all <= 0, the top one 0
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -35,7 +43,7 @@ def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
     if p.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs        # probability mass ranked above each token
-        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)   # the top token always stays
+        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)   # the top token (0 above it) always stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=req.generator)[0]
     # <<< exercise 03.1

@@ -11,10 +11,13 @@ would produce wrong tokens with no warning.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from minioverlap.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -25,6 +28,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded as the Qwen3 model its config describes."""
+
+
+# The kinds of config.json field the loader reads, each with the test a value of that kind passes
+# (`type(v) is int` keeps out JSON's true and false).
+KINDS = {
+    "an integer >= 0": lambda v: type(v) is int and v >= 0,
+    "an integer >= 1": lambda v: type(v) is int and v >= 1,
+    "an integer >= 2 (a prompt token and one new token)": lambda v: type(v) is int and v >= 2,
+    "a finite number > 0": lambda v: type(v) in (int, float) and 0 < v < float("inf"),
+    "true or false": lambda v: type(v) is bool,
+}
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -42,10 +56,12 @@ def resolve_model_dir(model: str | Path) -> Path:
 def load_config(model_dir: Path) -> Qwen3Config:
     """config.json (transformers 4.x or 5.x naming) -> Qwen3Config, refusing what this model lacks."""
     path = model_dir / "config.json"
-    raw = json.loads(path.read_text())
+    raw = read_json(path)
     if raw.get("model_type") != "qwen3":
         raise CheckpointError(f"{path}: model_type is {raw.get('model_type')!r}, expected 'qwen3'")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{path}: rope_parameters must be a JSON object, got {rope!r}")
     unsupported = {
         "rope type": (rope.get("rope_type", rope.get("type", "default")), "default"),
         "hidden_act": (raw.get("hidden_act", "silu"), "silu"),
@@ -55,33 +71,64 @@ def load_config(model_dir: Path) -> Qwen3Config:
     for field, (value, supported) in unsupported.items():
         if value != supported:
             raise CheckpointError(f"{path}: {field} is {value!r}; this engine supports only {supported!r}")
-    heads = raw["num_attention_heads"]
+    field = partial(config_field, path, raw)          # field(name, kind, default): one checked field
+    heads, hidden = field("num_attention_heads", "an integer >= 1"), field("hidden_size", "an integer >= 1")
+    kv_heads = field("num_key_value_heads", "an integer >= 1", heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{path}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
     return Qwen3Config(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
+        vocab_size=field("vocab_size", "an integer >= 1"),
+        hidden_size=hidden,
+        intermediate_size=field("intermediate_size", "an integer >= 1"),
+        num_hidden_layers=field("num_hidden_layers", "an integer >= 1"),
         num_attention_heads=heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
-        max_position_embeddings=raw.get("max_position_embeddings", 32768),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        num_key_value_heads=kv_heads,
+        head_dim=field("head_dim", "an integer >= 1", hidden // heads),
+        rms_norm_eps=field("rms_norm_eps", "a finite number > 0", 1e-6),
+        rope_theta=config_field(path, rope if "rope_theta" in rope else raw, "rope_theta", "a finite number > 0", 10000.0),
+        max_position_embeddings=field("max_position_embeddings", "an integer >= 2 (a prompt token and one new token)", 32768),
+        tie_word_embeddings=field("tie_word_embeddings", "true or false", False),
         eos_token_ids=_eos_token_ids(model_dir, raw),
-        num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0),
+        num_nextn_predict_layers=field("num_nextn_predict_layers", "an integer >= 0", 0),
     )
+
+
+def config_field(path: Path, raw: dict, name: str, kind: str, default: object = None) -> object:
+    """raw[name] if it is of `kind` (a key of KINDS); a field that is absent or null takes the default,
+    and one without a default is required."""
+    value = raw.get(name)
+    if value is None and default is None:
+        raise CheckpointError(f"{path}: required field {name!r} is missing (or null)")
+    if value is None:
+        return default
+    if not KINDS[kind](value):
+        raise CheckpointError(f"{path}: {name} must be {kind}, got {value!r}")
+    return value
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file that must hold an object; anything else is a CheckpointError naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:             # ValueError: not UTF-8, or not JSON
+        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(raw).__name__} {raw!r:.60}")
+    return raw
 
 
 def _eos_token_ids(model_dir: Path, raw: dict) -> tuple[int, ...]:
     """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
     ids: list[int] = []
-    sources = [raw]
+    sources = [(model_dir / "config.json", raw)]
     if (model_dir / "generation_config.json").is_file():
-        sources.append(json.loads((model_dir / "generation_config.json").read_text()))
-    for source in sources:
+        sources.append((model_dir / "generation_config.json", read_json(model_dir / "generation_config.json")))
+    for path, source in sources:
         eos = source.get("eos_token_id")
-        for token in [eos] if isinstance(eos, int) else (eos or []):
+        tokens = [] if eos is None else [eos] if type(eos) is int else eos
+        if not (isinstance(tokens, list) and all(KINDS["an integer >= 0"](t) for t in tokens)):
+            raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+        for token in tokens:
             if token not in ids:
                 ids.append(token)
     return tuple(ids)
@@ -89,8 +136,11 @@ def _eos_token_ids(model_dir: Path, raw: dict) -> tuple[int, ...]:
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype:
     """The dtype config.json declares (dtype, or torch_dtype in older files); fp32 if none."""
-    raw = json.loads((model_dir / "config.json").read_text())
+    path = model_dir / "config.json"
+    raw = read_json(path)
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if not (isinstance(name, str) and name in DTYPES):
+        raise CheckpointError(f"{path}: dtype is {name!r}, not one of {', '.join(DTYPES)}; pass dtype= to choose one")
     return DTYPES[name]
 
 
@@ -98,13 +148,26 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (single file or sharded index)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and all(isinstance(file, str) for file in weight_map.values())):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names, got {weight_map!r:.60}")
         return {name: model_dir / file for name, file in weight_map.items()}
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{model_dir}: no model.safetensors and no model.safetensors.index.json")
-    with safe_open(single, "pt") as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
+
+
+@contextmanager
+def open_safetensors(path: Path) -> Iterator:
+    """safe_open, where a file that is not safetensors (empty, truncated, a garbage header) or a tensor
+    that cannot be read is a CheckpointError naming the file."""
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
 
 def is_mtp_tensor(name: str, config: Qwen3Config) -> bool:
@@ -120,10 +183,12 @@ def read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, torch.Te
     for path in sorted({files[n] for n in names}):
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the index but missing")
-        with safe_open(path, "pt") as f:
-            for name in names:
-                if files[name] == path:
-                    tensors[name] = f.get_tensor(name)
+        with open_safetensors(path) as f:
+            held = set(f.keys())
+            for name in (n for n in names if files[n] == path):
+                if name not in held:
+                    raise CheckpointError(f"{path}: the index puts tensor {name!r} in this file, which does not hold it")
+                tensors[name] = f.get_tensor(name)
     return tensors
 
 
@@ -165,4 +230,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device) 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:
     """tokenizer.json if the checkpoint has one; without it, prompts must be token ids."""
     path = model_dir / "tokenizer.json"
-    return Tokenizer.from_file(str(path)) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:                     # tokenizers raises a bare Exception for a file it cannot parse
+        raise CheckpointError(f"{path}: not a tokenizer file that tokenizers can read ({e})") from e

@@ -65,12 +65,20 @@ class Scheduler:
         # <<< ch08
 
     # ---- the client's side: messages into the inbox
-    def add_request(self, req: Req) -> None:
-        """Queue a request for the next receive; one that could never fit the pool is refused now."""
+    def check_fits_pool(self, req: Req) -> None:
+        """Refuse a request that could never fit the page pool, even alone."""
         pages, pool = self.pages_needed(req), self.runner.usable_pages
         if pages > pool:
             raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens need {pages} "
                              f"pages; the pool has {pool}")
+
+    def submit(self, reqs: list[Req]) -> None:
+        """Queue a run's requests ahead of anything already in the inbox: an abort sent for one of them
+        before the run began then finds it."""
+        self.inbox.extendleft(("add", req) for req in reversed(reqs))
+
+    def add_request(self, req: Req) -> None:
+        """Queue a request for the next receive (a run in progress)."""
         self.inbox.append(("add", req))
 
     def abort(self, uid: int) -> None:
@@ -133,11 +141,23 @@ class Scheduler:
         # <<< ch06
         mode, reqs = (ForwardMode.EXTEND, new) if new else (ForwardMode.DECODE, decode)
         if not reqs:
+            self.check_stalled()
             return None
         self.step += 1
         batch = self.runner.batch(mode, reqs)
         self.trace.record("schedule", self.step, [r.uid for r in reqs])
         return batch
+
+    def check_stalled(self) -> None:
+        """Nothing could be scheduled. If nothing is running either (and, from chapter 06, no step is in
+        flight whose handling frees a slot), the waiting requests would wait forever: say so instead."""
+        # >>> ch06 replaces ch04: a step in flight will be handled, and may free what they wait for
+        #| stalled = self.waiting and not self.running
+        stalled = self.waiting and not self.running and not self.in_flight
+        # <<< ch06
+        if stalled:
+            raise RuntimeError(f"the scheduler is stalled: {len(self.waiting)} requests wait, none runs, and "
+                               f"{self.runner.free_rows} request slots and {self.runner.free_pages} pages are free")
 
     def launch(self, batch: ForwardBatch) -> StepOutput:
         """Have the runner launch the step. From chapter 06 it stays in flight until it is handled; from
@@ -168,20 +188,22 @@ class Scheduler:
         # >>> ch07 fix slot-reuse: slots and pages that waited for this step to be handled
         self.release_deferred(out.step)
         # <<< ch07
-        replies = []
-        for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist()):
-            # >>> ch07 fix stale-reply: finished in an earlier handle, it was launched again; drop the token
-            if req.finished:
-                continue
-            # <<< ch07
-            replies.append(self.handle(req, token))
+        replies = [self.handle(req, token) for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist())]
+        # >>> ch07 fix stale-reply: no reply for a token that must change nothing
+        replies = [r for r in replies if r is not None]
+        # <<< ch07
         self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
         self.trace.record("reply", out.step, [r.uid for r in replies])
         return replies
 
-    def handle(self, req: Req, token: int) -> Reply:
+    def handle(self, req: Req, token: int) -> Reply | None:
         """One request's token: append it, apply the stop rules (a request they end is freed), and
-        make its reply."""
+        make its reply. From chapter 07: None for a request that finished in an earlier handle, whose
+        token must change nothing (in the overlap loop it was launched once more before it finished)."""
+        # >>> ch07 fix stale-reply: finished in an earlier handle, it was launched again; drop the token
+        if req.finished:
+            return None
+        # <<< ch07
         # >>> exercise 04.2: handle a step's result
         req.output_ids.append(token)
         # >>> ch07 fix early-finish replaces ch04: decide by the tokens actually received
@@ -245,6 +267,7 @@ class Scheduler:
     # >>> ch07 fix slot-reuse: release what waited
 
     def must_defer(self) -> bool:
+        """Whether a request leaving now must keep its slot and pages until the last launched step is handled."""
         # >>> ch08 replaces ch07: only if asked: the fence and the prefill's own prompt write make release at once safe
         #| return bool(self.in_flight)
         return self.guards.defer_release and bool(self.in_flight)
@@ -255,6 +278,18 @@ class Scheduler:
             self.deferred.remove((step, req))
             self.runner.release(req)
     # <<< ch07
+
+    def abandon(self) -> None:
+        """The run's caller left, or a step failed: abort every request and handle the steps still in
+        flight (07), dropping all replies. Nothing stays queued, running or held."""
+        self.receive()
+        for req in [*self.waiting, *self.running]:
+            self.abort_now(req)
+        # >>> ch07: a step in flight is handled: its aborted requests' results are dropped (stale-reply)
+        for out in list(self.in_flight):
+            self.wait(out)
+            self.process(out)
+        # <<< ch07
 
     def check_integrity(self) -> None:
         """Every page and request slot is free or owned by exactly one running request, and each

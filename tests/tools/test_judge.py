@@ -1,8 +1,9 @@
 """Tests of practice/judge.py, the exercise judge, on copies of the fixture book (tests/tools/fixtures/book).
 
 The fixture's one exercise is 02.1, `shout` in minibook/words.py (reference: `text.upper() + "!"`),
-tested by tests/test_ch02_shout.py, with two hints. Each test works on its own copy (`book_copy`)
-and calls the judge's `main` in-process; only the pytest runs it starts are subprocesses.
+tested by tests/test_ch02_shout.py, with two hints, the second of which (the last) is its solution.
+Each test works on its own copy (`book_copy`) and calls the judge's `main` in-process; only the
+pytest runs it starts are subprocesses.
 """
 
 from __future__ import annotations
@@ -94,27 +95,81 @@ def test_reference_solution_passes_test_and_records_progress(book_copy, capsys):
 
 
 def test_wrong_solution_shows_the_failed_test_its_assertion_and_the_next_hint(book_copy, capsys):
-    """A wrong answer names the failed test and its assertion, then gives hint 1, then hint 2."""
+    """A wrong answer names the failed test, where it failed, the failing line and the assertion with
+    its values, then gives hint 1; the next failure says there are no more hints, and never gives the
+    last one, which is the solution."""
     run(capsys, book_copy, "start", "02.1")
     solve(book_copy, "return text.upper()")
     code, out, _ = run(capsys, book_copy, "test", "02.1")
     assert code == 1
     assert TEST_NODE in out
-    assert "assert 'HI THERE' == 'HI THERE!'" in out
-    assert "hint 1/2 for 02.1: str.upper() gives the capitals." in out
+    assert "practice/workspace/02.1/tests/test_ch02_shout.py:6" in out
+    assert '> assert shout("hi there") == "HI THERE!"' in out
+    assert "AssertionError: assert 'HI THERE' == 'HI THERE!'" in out
+    assert "hint 1/1 for 02.1: str.upper() gives the capitals." in out
     assert "not implemented" not in out
     _, out, _ = run(capsys, book_copy, "test", "02.1")
-    assert "hint 2/2 for 02.1: Then add one '!'." in out and "hint 1/2" not in out
+    assert "hint 1/1" not in out and "no more hints for exercise 02.1" in out
+    assert "Then add one '!'." not in out and "hint 02.1 --solution" in out
 
 
-def test_hint_shows_hints_in_order_then_says_there_are_no_more(book_copy, capsys):
-    """`hint` gives the next unseen hint (remembered across runs); `--all` lists every one."""
+def test_hint_shows_hints_in_order_and_the_solution_only_when_asked(book_copy, capsys):
+    """`hint` gives the next unseen hint (remembered across runs) and never the last, the solution;
+    `--solution` shows the solution alone, `--all` every hint with the solution last."""
     outs = [run(capsys, book_copy, "hint", "02.1")[1] for _ in range(3)]
-    assert "hint 1/2 for 02.1: str.upper() gives the capitals." in outs[0]
-    assert "hint 2/2 for 02.1: Then add one '!'." in outs[1] and "hint 1/2" not in outs[1]
-    assert "no more hints" in outs[2]
+    assert "hint 1/1 for 02.1: str.upper() gives the capitals." in outs[0]
+    assert all("no more hints" in out and "Then add one" not in out for out in outs[1:])
+    _, out, _ = run(capsys, book_copy, "hint", "02.1", "--solution")
+    assert out.strip() == "solution for 02.1: Then add one '!'."
     _, out, _ = run(capsys, book_copy, "hint", "02.1", "--all")
-    assert out.index("hint 1/2") < out.index("hint 2/2")
+    assert out.index("hint 1/1 for 02.1: str.upper()") < out.index("solution for 02.1: Then add one '!'.")
+
+
+def test_a_hint_with_when_comes_first_for_its_failing_test_and_never_for_another(book_copy, capsys):
+    """A hint whose `when` names a failed test is given before the general ones; while only another
+    test fails, it is not given, and `hint` (no test run in between) follows the last failure too."""
+    (book_copy / "tests/test_ch02_empty.py").write_text(
+        "from minibook import shout\n\n\ndef test_shout_of_nothing_is_a_bang():\n    assert shout('') == '!'\n")
+    edit(book_copy / "practice/exercises.toml", f'tests = ["{TEST_NODE}"]',
+         f'tests = ["{TEST_NODE}", "tests/test_ch02_empty.py::test_shout_of_nothing_is_a_bang"]')
+    edit(book_copy / "practice/exercises.toml", "hints = [", 'hints = [{ text = "Even nothing gets its bang.", '
+         'when = "of_nothing" }, { text = "Capitals first.", when = "uppercases" }, ')
+    run(capsys, book_copy, "start", "02.1")
+    solve(book_copy, 'return text.upper() + "!" if text else ""')     # only the empty text goes wrong
+    _, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert "test_shout_of_nothing_is_a_bang" in out and "test_shout_uppercases" not in out
+    assert "hint 1/3 for 02.1 (when of_nothing fails): Even nothing gets its bang." in out
+    _, out, _ = run(capsys, book_copy, "hint", "02.1")
+    assert "hint 3/3 for 02.1: str.upper() gives the capitals." in out       # general; not "Capitals first."
+    _, out, _ = run(capsys, book_copy, "hint", "02.1")
+    assert "no more hints for the tests that failed (2 of 3 hints seen)" in out and "Capitals" not in out
+    solve_again = (book_copy / WORKFILE).read_text().replace('return text.upper() + "!" if text else ""',
+                                                            'return text + "!"')
+    (book_copy / WORKFILE).write_text(solve_again)
+    _, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert "hint 2/3 for 02.1 (when uppercases fails): Capitals first." in out
+
+
+def test_a_long_assertion_is_shown_whole_up_to_a_limit_and_verbose_shows_everything(book_copy, capsys):
+    """An assertion message of several lines is shown line by line (not cut after its first); past
+    the limit the rest is left to `--verbose`, which prints pytest's whole output as well."""
+    lines = [f"client {k} (max_tokens {k}): normal {k} tokens, overlap {k - 1}" for k in range(20)]
+    (book_copy / "tests/test_ch02_clients.py").write_text(
+        "from minibook import shout\n\n\ndef test_every_client_gets_its_tokens():\n"
+        "    lines = [f'client {k} (max_tokens {k}): normal {k} tokens, overlap {k - 1}' for k in range(20)]\n"
+        "    assert shout('a') == 'A!!', 'the clients:\\n' + '\\n'.join(lines)\n")
+    edit(book_copy / "practice/exercises.toml", f'tests = ["{TEST_NODE}"]',
+         'tests = ["tests/test_ch02_clients.py::test_every_client_gets_its_tokens"]')
+    run(capsys, book_copy, "start", "02.1")
+    solve(book_copy, 'return text.upper() + "!"')
+    _, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert "AssertionError: the clients:" in out
+    assert all(line in out for line in lines[:8]) and lines[-1] not in out
+    assert "more lines: `python practice/judge.py --root" in out and "test 02.1 --verbose`" in out
+    _, out, _ = run(capsys, book_copy, "test", "02.1", "--verbose")
+    assert all(line in out for line in lines)
+    assert "short test summary info" in out and "def test_every_client_gets_its_tokens" in out
+    assert "more lines" not in out
 
 
 def test_start_twice_without_force_refuses_and_keeps_the_learners_file(book_copy, capsys):
@@ -172,6 +227,18 @@ def test_check_fails_when_a_marker_has_no_registry_entry(book_copy, capsys):
     code, out, _ = run(capsys, book_copy, "check")
     assert code == 1
     assert "marker `# >>> exercise 01.1` at minibook/words.py:" in out and "has no entry" in out
+
+
+def test_check_fails_when_a_hint_names_no_test_of_its_exercise(book_copy, capsys):
+    """A `when` that matches none of the exercise's tests could never be given: the check says so, and
+    a hint that is neither a string nor a table of text and when is refused when the registry loads."""
+    edit(book_copy / "practice/exercises.toml", "hints = [", 'hints = [{ text = "x", when = "test_nowhere" }, ')
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert "hint 1: when = 'test_nowhere' is in none of its tests" in out
+    edit(book_copy / "practice/exercises.toml", '{ text = "x", when = "test_nowhere" }', "{ txt = 1 }")
+    code, _, err = run(capsys, book_copy, "list")
+    assert code == 2 and "a hint must be a string or { text" in err
 
 
 def test_check_fails_when_an_exercise_has_no_tests_or_hints(book_copy, capsys):

@@ -2,7 +2,8 @@
 
 The fixture is three chapters of a package `minibook`: a file that arrives in ch02 (window.py, file
 marker), a function that arrives in ch02 (shout, a block holding exercise 02.1), a ch01 block that ch03
-replaces (count_words), and a fix tagged in ch03 (off-by-one in windows) with its regression test.
+replaces (count_words), a ch01 test that ch03 removes, a bug planted in ch02 (no-bang) that its tests
+catch, and a fix tagged in ch03 (off-by-one in windows) with its regression test.
 Every test that changes the book works on a copy (`book_copy`).
 """
 
@@ -162,10 +163,19 @@ def test_check_passes_on_the_fixture(book: Path) -> None:
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.fullmatch(r"(\d+) passed, 0 failed", lines[-1])
-    assert int(lines[-1].split()[0]) == 14
+    assert int(lines[-1].split()[0]) == 15
     for name in ("stage 01 tests", "stage 02 example", "stage 03 tests", "proof off-by-one",
-                 "snippets ch03"):
+                 "bug no-bang", "snippets ch03"):
         assert any(re.match(rf"{name}\s+pass", line) for line in lines), name
+    assert "caught by tests/test_ch02_shout.py::test_shout_uppercases_and_adds_a_bang" in result.stdout
+
+
+def test_check_prints_each_checks_wall_time_and_the_total(book: Path) -> None:
+    """Every check line shows its seconds; the line before the closing one is the total."""
+    lines = run_steps(book, "check", "--chapters", "1", "--no-proofs").stdout.strip().splitlines()
+    assert all(re.match(r"\S.*\s(pass|FAIL)\s+\d+\.\d s", line) for line in lines[:-2]), lines
+    assert re.match(r"stage 01 tests\s+pass\s+\d+\.\d s  3 passed", lines[2]), lines[2]
+    assert re.fullmatch(r"total \d+\.\d s", lines[-2])
 
 
 def test_check_fails_when_the_registered_test_misses_the_revert(book_copy: Path) -> None:
@@ -186,6 +196,65 @@ def test_check_reports_a_failing_stage_test_with_its_output(book_copy: Path) -> 
     assert result.returncode == 1
     assert re.search(r"^stage 02 tests\s+FAIL", result.stdout, re.M)
     assert "test_shout_uppercases_and_adds_a_bang" in result.stdout
+
+
+# ---------------------------------------------------------------- planted bugs
+
+UNCAUGHT = '''
+[[chapter.bug]]
+name = "extra-window"
+file = "minibook/window.py"
+pattern = "range(len(items) - size)]"
+replacement = "range(len(items) - size + 1)]"
+
+[[chapter.bug]]
+name = "no-colon"
+file = "minibook/window.py"
+pattern = "-> list[list[int]]:"
+replacement = "-> list[list[int]]"
+tests = ["tests/test_ch02_windows.py"]
+'''
+
+
+def test_check_fails_a_bug_the_tests_miss_or_cannot_run(book_copy: Path) -> None:
+    """A planted bug the tests pass with fails `check`; so does one with which they cannot even run."""
+    edit(book_copy / "chapters" / "chapters.toml", 'replacement = "text.upper()"\n',
+         'replacement = "text.upper()"\n' + UNCAUGHT)
+    result = run_steps(book_copy, "check", "--chapters", "2")
+    assert result.returncode == 1
+    assert re.search(r"^bug no-bang\s+pass", result.stdout, re.M)
+    assert re.search(r"^bug extra-window\s+FAIL", result.stdout, re.M)
+    assert "the tests do not catch bug extra-window" in result.stdout
+    assert re.search(r"^bug no-colon\s+FAIL", result.stdout, re.M)
+    assert "bug no-colon: the tests do not run with it planted (pytest exit 2)" in result.stdout
+    assert re.fullmatch(r"\d+ passed, 2 failed", result.stdout.strip().splitlines()[-1])
+
+
+def test_bugs_lists_each_planted_bug_as_a_diff(book: Path) -> None:
+    """`bugs 2` shows no-bang as a one-line diff of words.py in stage 2; `bugs 1` has none to show."""
+    out = run_steps(book, "bugs", "2").stdout
+    assert "bug no-bang: tests/test_ch02_windows.py, tests/test_ch02_shout.py catch it" in out
+    assert '--- a/minibook/words.py\n+++ b/minibook/words.py\n' in out
+    assert '-    return text.upper() + "!"\n+    return text.upper()\n' in out
+    assert run_steps(book, "bugs", "1").stdout.strip() == "chapter 01 plants no bugs"
+
+
+# ---------------------------------------------------------------- the per-test timeout
+
+def test_a_hanging_stage_test_fails_with_its_name(book: Path, tmp_path: Path, monkeypatch) -> None:
+    """run_pytest gives every test pytest-timeout's limit, so a test that hangs fails, named."""
+    monkeypatch.setattr(steps, "TEST_TIMEOUT", 1)
+    stage = steps.build_stage(book, 1, tmp_path / "ch01")
+    (stage / "tests" / "test_hang.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(60)\n")
+    result = steps.run_pytest(stage, ["tests/test_hang.py"], timeout=50)
+    assert result.returncode == 1 and "Timeout" in result.stdout and "test_hangs" in result.stdout
+
+
+def test_the_repository_tests_have_the_same_timeout() -> None:
+    """pyproject.toml's pytest timeout is the one stages get, and pytest-timeout is a dev dependency."""
+    project = tomllib.loads((STEPS.parent.parent / "pyproject.toml").read_text())
+    assert project["tool"]["pytest"]["ini_options"]["timeout"] == steps.TEST_TIMEOUT
+    assert any(d.startswith("pytest-timeout") for d in project["project"]["optional-dependencies"]["dev"])
 
 
 # ---------------------------------------------------------------- exercises
@@ -236,7 +305,7 @@ STRUCTURAL = {
     "registry fix without marker": ("chapters/chapters.toml", "test_last_window_ends_at_the_last_item\"]\n",
                                     "test_last_window_ends_at_the_last_item\"]\n\n"
                                     "[[chapter.fix]]\nname = \"ghost\"\ntests = []\n",
-                                    "chapters/chapters.toml:30: fix 'ghost' of ch03 has no marker"),
+                                    "chapters/chapters.toml:36: fix 'ghost' of ch03 has no marker"),
     "marker fix not in registry": ("minibook/window.py", "fix off-by-one", "fix off-by-two",
                                    "minibook/window.py:9: fix 'off-by-two' is not in the registry"),
     "inner chapter smaller than outer": ("minibook/words.py", '    """`text` in capitals, with one exclamation mark."""\n',
@@ -248,6 +317,13 @@ STRUCTURAL = {
                                            'tests = ["tests/test_ch01_words.py", "tests/test_ch02_shout.py"]',
                                            "chapters/chapters.toml:9: ch01 names tests/test_ch02_shout.py, "
                                            "which arrives in ch02"),
+    "bug pattern absent": ("chapters/chapters.toml", """pattern = 'text.upper() + "!"'""", "pattern = 'text.lower()'",
+                           "chapters/chapters.toml:19: bug 'no-bang' of ch02: its pattern 'text.lower()' occurs "
+                           "0 times in minibook/words.py of stage 02; it must occur exactly once"),
+    "bug pattern twice": ("chapters/chapters.toml", """pattern = 'text.upper() + "!"'""", "pattern = '-> int:'",
+                          "chapters/chapters.toml:19: bug 'no-bang' of ch02: its pattern '-> int:' occurs 2 times"),
+    "bug file not in its stage": ("chapters/chapters.toml", 'file = "minibook/words.py"', 'file = "minibook/gone.py"',
+                                  "chapters/chapters.toml:19: bug 'no-bang' of ch02: stage 02 has no minibook/gone.py"),
 }
 
 
@@ -288,6 +364,112 @@ def test_example_importing_what_its_stage_lacks_fails(book_copy: Path, line: str
     result = run_steps(book_copy, "check", "--chapters", "1")
     assert result.returncode == 1 and re.search(r"^stage 01 build\s+FAIL", result.stdout, re.M)
     assert expected in result.stdout
+
+
+# ---------------------------------------------------------------- the rules that keep the source readable
+
+PAIRS = '''def pairs(items: list[int]) -> list[list[int]]:
+    """Windows of two."""
+    size = 2
+    # >>> ch03 replaces ch02: name the copy
+    #| copy = items[:]
+    #| copy = list(copy)
+{more}    copy = list(items)
+    # <<< ch03
+    return windows(copy, size)
+'''
+END_OF_WINDOW = "    # <<< ch03\n"  # the last line of window.py: what follows it is a new function
+
+RULES = {
+    "marker between a def and its body": (
+        "minibook/words.py", '    def add(self, text: str) -> int:\n        """Add the words of `text`; return the running total."""\n',
+        '    def add(self, text: str) -> int:\n        # >>> ch02: a docstring\n'
+        '        """Add the words of `text`; return the running total."""\n        # <<< ch02\n',
+        "minibook/words.py:21: a marker between the header on line 20 and its body"),
+    "marker between else: and its body": (
+        "minibook/window.py", END_OF_WINDOW,
+        END_OF_WINDOW + "\n\ndef first(items: list[int]) -> int:\n    if items:\n        return items[0]\n"
+        "    else:\n        # >>> ch03: an empty list gives zero\n        return 0\n        # <<< ch03\n",
+        "minibook/window.py:19: a marker between the header on line 18 and its body"),
+    "marker inside a docstring": (
+        "minibook/words.py", '"""Words: counting them, and (from chapter 02) shouting them."""',
+        '"""Words: counting them.\n\n# >>> ch02: and shouting them\n"""',
+        "minibook/words.py:3: '# >>> ch02: and shouting them' inside a string: only a comment can be a marker"),
+    "nested three deep": (
+        "minibook/words.py", '    return text.upper() + "!"\n',
+        '    # >>> ch03: three deep\n    text = text.strip()\n    # <<< ch03\n    return text.upper() + "!"\n',
+        "minibook/words.py:30: 'ch03' is nested 3 deep (at most 2"),
+    "replaces block that keeps nothing": (
+        "tests/test_ch01_words.py", "ch03 removes ch01", "ch03 replaces ch01",
+        "tests/test_ch01_words.py:16: 'ch03 replaces ch01' keeps no new code: a removal is written "
+        "'ch03 removes ch01'"),
+    "removes block with new code": (
+        "minibook/words.py", "ch03 replaces ch01", "ch03 removes ch01",
+        "minibook/words.py:8: 'ch03 removes ch01' holds new code"),
+    "function over its history budget": (
+        "minibook/window.py", END_OF_WINDOW, END_OF_WINDOW + "\n\n" + PAIRS.format(more="    #| copy = copy[:]\n"),
+        "minibook/window.py:15: function pairs spans 10 lines, 5 of them markers or kept old code (50%, at most 40%)"),
+}
+
+
+@pytest.mark.parametrize("case", list(RULES))
+def test_readability_rule_is_an_error(book_copy: Path, case: str) -> None:
+    """Each planted violation is reported, alone, as 'file:line: what'."""
+    rel, old, new, expected = RULES[case]
+    edit(book_copy / rel, old, new)
+    with pytest.raises(steps.MarkerError) as raised:
+        steps.load_book(book_copy)
+    assert len(raised.value.errors) == 1 and raised.value.errors[0].startswith(expected), raised.value.errors
+
+
+CLEAN = {
+    "markers around the whole statement, a comment between header and body": (
+        "minibook/window.py", END_OF_WINDOW,
+        END_OF_WINDOW + "\n\ndef first(items: list[int]) -> int:\n    \"\"\"The first item, or zero.\"\"\"\n"
+        "    # >>> ch03: an empty list gives zero\n"
+        "    if not items:\n        return 0\n    # <<< ch03\n    for item in items:\n        # the first one\n"
+        "        return item\n    raise AssertionError\n"),
+    "marker-like text in a string, not at a line's start": (
+        "minibook/words.py", '"""Words: counting them, and (from chapter 02) shouting them."""',
+        '"""Words: counting them.\n\nNot a marker: `# >>> ch02: shouting`.\n# a hash, but no marker\n"""\n'
+        'MARK = "# >>> ch02: a one-line string"'),
+    "two deep under a file marker": (
+        "minibook/window.py", "    return [items[i : i + size] for i in range(len(items) - size + 1)]\n",
+        "    # >>> exercise 03.1: windows\n    return [items[i : i + size] for i in range(len(items) - size + 1)]\n"
+        "    # <<< exercise 03.1\n"),
+    "function at exactly 40% history": (
+        "minibook/window.py", END_OF_WINDOW, END_OF_WINDOW + "\n\n" + PAIRS.format(more="    assert size > 0\n")),
+    "function of 9 lines over 40% history": (
+        "minibook/window.py", END_OF_WINDOW, END_OF_WINDOW + "\n\n" + PAIRS.format(more="")),
+}
+
+
+@pytest.mark.parametrize("case", list(CLEAN))
+def test_readability_rule_passes_what_it_allows(book_copy: Path, case: str) -> None:
+    """The near misses of each rule load without an error."""
+    rel, old, new = CLEAN[case]
+    edit(book_copy / rel, old, new)
+    steps.load_book(book_copy)
+
+
+def test_removes_block_gives_old_code_before_and_nothing_after(book_copy: Path, tmp_path: Path) -> None:
+    """`fix NAME removes chMM` is a replacing fix with an empty body: the old code until its chapter,
+    nothing from it on, the old code again with the fix reverted."""
+    window = book_copy / "minibook" / "window.py"
+    edit(window, "ch03 fix off-by-one replaces ch02", "ch03 fix off-by-one removes ch02")
+    edit(window, "    return [items[i : i + size] for i in range(len(items) - size + 1)]\n", "")
+    old = "    return [items[i : i + size] for i in range(len(items) - size)]"
+    assert old in (steps.build_stage(book_copy, 2, tmp_path / "2") / "minibook/window.py").read_text()
+    assert "return" not in (steps.build_stage(book_copy, 3, tmp_path / "3") / "minibook/window.py").read_text()
+    reverted = steps.build_stage(book_copy, 3, tmp_path / "r", revert="off-by-one")
+    assert old in (reverted / "minibook/window.py").read_text()
+
+
+def test_lex_finds_strings_and_header_gaps() -> None:
+    """The rules' helpers on a snippet: lines inside strings, and header/body gaps, as tokenize sees them."""
+    lexed = steps.lex('def f():\n    # c\n    x = """\n# >>> ch02: s\n"""\nif f:\n    pass\n')
+    assert lexed.strings == {4, 5} and lexed.headers == [(1, 3), (6, 7)] and lexed.error is None
+    assert steps.lex("x = (\n").error is not None
 
 
 # ---------------------------------------------------------------- snippets
@@ -338,6 +520,14 @@ def test_diff_2_shows_the_added_function_and_file(book: Path) -> None:
     assert "--- /dev/null\n+++ b/minibook/window.py" in out
     assert "+from minibook.window import windows" in out
     assert "size + 1" not in out and "split()" not in out
+
+
+def test_diff_code_leaves_the_prose_out(book: Path) -> None:
+    """`diff 3 --code` shows the code chapter 03 changes, but not its chapter text or registry entry."""
+    full, code = run_steps(book, "diff", "3").stdout, run_steps(book, "diff", "3", "--code").stdout
+    assert "+++ b/chapters/03-fixes.md" in full and "+++ b/chapters/chapters.toml" in full
+    assert "chapters/" not in code
+    assert "+++ b/minibook/window.py" in code and "+++ b/tests/test_ch03_fixes.py" in code
 
 
 def test_tree_2_marks_the_new_file(book: Path) -> None:
