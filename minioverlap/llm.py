@@ -203,8 +203,7 @@ class LLM:
         try:
             yield from self._loop()
         except BaseException:                    # GeneratorExit (the consumer left) included
-            with self.runner.streams.schedule():
-                self.scheduler.abandon()
+            self.scheduler.abandon()
             raise
         finally:
             self.serving = False

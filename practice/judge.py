@@ -257,9 +257,9 @@ def stub_line(stage: Path, rel: str, ex_id: str) -> int | None:
     path = stage / rel
     if not path.is_file():
         return None
-    needle = f'NotImplementedError("exercise {ex_id}:'
+    needles = (f'NotImplementedError("exercise {ex_id}:', f"# exercise {ex_id}: ")   # a stub, or code to repair
     for number, line in enumerate(path.read_text().splitlines(), 1):
-        if needle in line:
+        if any(needle in line for needle in needles):
             return number
     return None
 

@@ -269,8 +269,10 @@ def test_loader_uses_rope_theta_rms_norm_eps_and_norm_weights(tmp_path, naming):
     with torch.inference_mode():
         ref = ref_model(torch.tensor([prompt])).logits[0]
         model = LLM(model=str(path)).model
-        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), WholeSequence()))
-    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+        device = model.model.embed_tokens.weight.device                # the test device (conftest)
+        ours = model.compute_logits(model(torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device),
+                                          WholeSequence()))
+    torch.testing.assert_close(ours.cpu(), ref, rtol=1e-4, atol=1e-4)
     out = LLM(model=str(path)).generate([prompt[:20]], SamplingParams(max_tokens=24))[0]
     assert out.token_ids == hf_greedy(path, prompt[:20], 24)
 

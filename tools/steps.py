@@ -43,7 +43,7 @@ STAGED = ("tests", "examples", "chapters", "practice")  # and the package folder
 NOT_STAGED = ("tests/tools", "practice/workspace")
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".mypy_cache", ".ruff_cache"}
 PROSE = (".md", ".rst", ".txt")  # what `diff --code` leaves out, with chapters/
-TEST_TIMEOUT = 120  # seconds per test in a stage, as [tool.pytest.ini_options] timeout in pyproject.toml
+TEST_TIMEOUT = 300  # seconds per test in a stage, as [tool.pytest.ini_options] timeout in pyproject.toml
 
 MARKER = re.compile(r"^(?P<indent>[ \t]*)# (?P<dir>>>>|<<<) (?P<body>.*?)\s*$")
 LOOKS_LIKE_MARKER = re.compile(r"^[ \t]*#\s*(>>>|<<<)")
@@ -51,7 +51,7 @@ OLD_LINE = re.compile(r"^[ \t]*#\|(?P<rest>.*)$")
 OPEN_CH = re.compile(r"ch(?P<ch>\d+)(?: fix (?P<fix>[\w.-]+))?(?: (?P<kind>replaces|removes) ch(?P<old>\d+))?"
                      r":(?: (?P<text>.*))?$")
 OPEN_FILE = re.compile(r"ch(?P<ch>\d+) file:(?: .*)?$")
-OPEN_EXERCISE = re.compile(r"exercise (?P<id>(?P<ch>\d+)\.\d+): (?P<title>\S.*)$")
+OPEN_EXERCISE = re.compile(r"exercise (?P<id>(?P<ch>\d+)\.\d+)(?: from ch(?P<start>\d+))?: (?P<title>\S.*)$")
 CLOSE = re.compile(r"ch(?P<ch>\d+)$|exercise (?P<id>\d+\.\d+)$")
 SNIPPET = re.compile(r"^<!-- snippet: (?P<ref>\S+) -->\s*$")
 NAMED = {"tests": re.compile(r"test_ch(\d+)_.*\.py$"), "examples": re.compile(r"ch(\d+)_"),
@@ -164,6 +164,7 @@ class Block:
     indent: str
     chapter: int
     exercise: str | None = None  # "02.1" for a solution region
+    start: int | None = None  # `exercise NN.K from chMM`: the stub is the region's code as of chapter MM
     title: str = ""
     fix: str | None = None
     replaces: int | None = None  # the chapter whose code a `replaces` or `removes` block takes out
@@ -250,7 +251,8 @@ def parse_source(text: str, path: str) -> tuple[Source, list[str]]:
 
 def _open(body: str, path: str, line: int, indent: str) -> Block | None:
     if (e := OPEN_EXERCISE.match(body)):
-        return Block(path, line, indent, int(e["ch"]), exercise=e["id"], title=e["title"])
+        return Block(path, line, indent, int(e["ch"]), exercise=e["id"], title=e["title"],
+                     start=int(e["start"]) if e["start"] else None)
     if (c := OPEN_CH.match(body)):
         return Block(path, line, indent, int(c["ch"]), fix=c["fix"], title=c["text"] or "",
                      replaces=int(c["old"]) if c["old"] else None, removes=c["kind"] == "removes")
@@ -328,8 +330,10 @@ def layout_errors(text: str, source: Source) -> list[str]:
 
 
 def is_history(line: str) -> bool:
-    """A marker line or a line of kept old code."""
-    return bool(LOOKS_LIKE_MARKER.match(line) or OLD_LINE.match(line))
+    """A chapter marker line or a line of kept old code. An exercise region's markers are no history:
+    they mark where a learner's code goes."""
+    return bool((LOOKS_LIKE_MARKER.match(line) and "exercise" not in line.split(":")[0])
+                or OLD_LINE.match(line))
 
 
 def header_errors(lines: list[str], lexed: Lexed, path: str) -> list[str]:
@@ -347,13 +351,14 @@ def string_marker_errors(lines: list[str], lexed: Lexed, path: str) -> list[str]
 
 
 def depth_errors(nodes: list[Block | str], depth: int) -> list[str]:
-    """Blocks nest at most MAX_DEPTH deep; chapter blocks and exercise regions count alike."""
+    """Chapter blocks nest at most MAX_DEPTH deep. An exercise region adds no depth: it is no history,
+    it marks where a learner's code goes (the same lines may be two exercises, as 04.2 and 07.1)."""
     errors = []
     for b in (node for node in nodes if isinstance(node, Block)):
-        if depth > MAX_DEPTH:
+        if depth > MAX_DEPTH and not b.exercise:
             errors.append(f"{b.path}:{b.line}: '{b.head.removeprefix('# >>> ')}' is nested {depth} deep "
                           f"(at most {MAX_DEPTH}, a file marker not counted): move it into a helper")
-        errors += depth_errors(b.body, depth + 1)
+        errors += depth_errors(b.body, depth + (not b.exercise))
     return errors
 
 
@@ -559,6 +564,10 @@ def render(nodes: list[Block | str], chapter: int, revert: str | None, stub: str
     for node in nodes:
         if isinstance(node, str):
             out.append(node)
+        elif node.exercise and node.exercise == stub and node.start is not None:
+            out.append(f"{node.indent}# exercise {node.exercise}: {node.title} (this is chapter {node.start:02d}'s code)")
+            out += render(node.body, node.start, revert, None, stubbed)
+            stubbed.add(stub)
         elif node.exercise and node.exercise == stub:
             message = json.dumps(f"exercise {node.exercise}: {node.title}", ensure_ascii=False)
             out.append(f"{node.indent}raise NotImplementedError({message})")
@@ -877,6 +886,7 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     report.add(f"stage {n:02d} build", not problems, "\n".join(problems))
     r = run_pytest(stage, ["tests"], timeout=timeout * 4)
     report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
+    broken = set(failed_tests(r))  # a bug that only these catch proves nothing
     if chapter.example is None:
         report.add(f"stage {n:02d} example", False, "the registry names no example")
     else:
@@ -886,7 +896,7 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
         problems = revert_proof(book, n, fix, stage, tmp, timeout)
         report.add(f"proof {fix.name}", not problems, "\n".join(problems))
     for bug in chapter.bugs if proofs else []:
-        report.add(f"bug {bug.name}", *bug_proof(bug, stage, tmp, timeout * 4))
+        report.add(f"bug {bug.name}", *bug_proof(bug, stage, tmp, timeout * 4, broken))
     return stage
 
 
@@ -906,17 +916,26 @@ def revert_proof(book: Book, n: int, fix: Fix, stage: Path, tmp: Path, timeout: 
     return problems
 
 
-def bug_proof(bug: Bug, stage: Path, tmp: Path, timeout: float) -> tuple[bool, str]:
+def failed_tests(result: subprocess.CompletedProcess) -> list[str]:
+    """The tests pytest's short summary names as FAILED or ERROR."""
+    return [line.split(" - ")[0].split(" ", 1)[1] for line in (result.stdout or "").splitlines()
+            if line.startswith(("FAILED ", "ERROR "))]
+
+
+def bug_proof(bug: Bug, stage: Path, tmp: Path, timeout: float,
+              broken: set[str] = frozenset()) -> tuple[bool, str]:
     """A copy of the stage with the bug planted fails its tests: pytest -x exits 1 (a test ran and
-    failed). Returns (caught, the test that caught it or what went wrong)."""
+    failed), and the test that failed first is not one of the stage's `broken` tests (those that fail
+    without the bug). Returns (caught, the test that caught it or what went wrong)."""
     planted = tmp / f"{stage.name}-bug-{bug.name}"
     shutil.copytree(stage, planted)
     path = planted / bug.file
     path.write_text(path.read_text().replace(bug.pattern, bug.replacement))
     r = run_pytest(planted, [*bug.tests, "-x"], timeout=timeout)
     if r.returncode == 1:
-        failed = [line for line in r.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
-        by = failed[0].split(" - ")[0].split(" ", 1)[1] if failed else "the tests"
+        by = (failed_tests(r) or ["the tests"])[0]
+        if by in broken:
+            return False, f"bug {bug.name}: the first test to fail, {by}, fails without the bug too"
         return True, f"caught by {by}" + " (it timed out)" * ("Timeout (>" in r.stdout)
     if r.returncode == 0:
         return False, f"the tests do not catch bug {bug.name}: {', '.join(bug.tests)} pass with it planted"
@@ -978,7 +997,7 @@ def cmd_bugs(book: Book, n: int) -> int:
         say(f"chapter {n:02d} plants no bugs")
     for bug in bugs:
         old = stage_text(book, bug.file, n)
-        say(f"bug {bug.name}: {', '.join(bug.tests)} catch it", "bold")
+        say(f"bug {bug.name}, caught by {', '.join(bug.tests)}", "bold")
         say_diff(old, old.replace(bug.pattern, bug.replacement), (f"a/{bug.file}", f"b/{bug.file}"), 1)
     return 0
 

@@ -62,6 +62,11 @@ class ModelRunner:
         # <<< ch06
 
     def batch(self, mode: ForwardMode, reqs: list[Req]) -> ForwardBatch:
+        """Lay out the step's batch: each request's new KV slots allocated and written to req_to_token."""
+        # >>> ch05 removes ch04: the sampler writes each token into token_pool, on the device
+        #| for req in reqs if mode is ForwardMode.DECODE else []:
+        #|     self.write_next_token(req, req.output_ids[-1])     # the token the host received: the step's input
+        # <<< ch05
         return build_batch(mode, reqs, self.allocator, self.tables, self.device)
 
     @torch.inference_mode()

@@ -200,6 +200,7 @@ class Scheduler:
         """One request's token: append it, apply the stop rules (a request they end is freed), and
         make its reply. From chapter 07: None for a request that finished in an earlier handle, whose
         token must change nothing (in the overlap loop it was launched once more before it finished)."""
+        # >>> exercise 07.1 from ch06: repair the naive result handling
         # >>> ch07 fix stale-reply: finished in an earlier handle, it was launched again; drop the token
         if req.finished:
             return None
@@ -207,13 +208,15 @@ class Scheduler:
         # >>> exercise 04.2: handle a step's result
         req.output_ids.append(token)
         # >>> ch07 fix early-finish replaces ch04: decide by the tokens actually received
-        #| req.finish_reason = "stop" if token in req.stop_ids else "length" if not req.can_decode else None   # launched
+        #| if token in req.stop_ids or not req.can_decode:     # by what was launched: one step ahead in the overlap loop
+        #|     req.finish_reason = "stop" if token in req.stop_ids else "length"
         req.finish_reason = req.check_stop()
         # <<< ch07
         if req.finished:
             self.free(req)
         return Reply(req.uid, [token], req.finished, req.finish_reason)
         # <<< exercise 04.2
+        # <<< exercise 07.1
 
     # ---- admission, abort, frees
     def admit(self) -> list[Req]:
@@ -254,9 +257,16 @@ class Scheduler:
         return Reply(req.uid, [], True, "abort")
 
     def free(self, req: Req) -> None:
-        """A finished request leaves: its pages and request slot go back (from chapter 07, once no
-        launched step uses them any more)."""
+        """A finished request leaves the running ones, and its pages and request slot go back."""
+        # >>> ch07 fix stale-reply removes ch05: launched once more after it finished, it comes back (05-06): free it once
+        #| if req not in self.running:
+        #|     return
+        # <<< ch07
         self.running.remove(req)
+        self.release(req)
+
+    def release(self, req: Req) -> None:
+        """Give its pages and request slot back (from chapter 07: once no launched step uses them)."""
         # >>> ch07 fix slot-reuse replaces ch04: a launched step still writes its row and pages: keep them until it is handled
         #| self.runner.release(req)
         if self.must_defer():

@@ -230,10 +230,19 @@ def test_check_fails_a_bug_the_tests_miss_or_cannot_run(book_copy: Path) -> None
     assert re.fullmatch(r"\d+ passed, 2 failed", result.stdout.strip().splitlines()[-1])
 
 
+def test_a_bug_caught_only_by_a_test_that_fails_anyway_proves_nothing(book_copy: Path) -> None:
+    """When the test that fails with the bug planted fails without it too, the bug is not caught."""
+    edit(book_copy / "tests" / "test_ch02_shout.py", '"HI THERE!"', '"HI THERE?"')
+    result = run_steps(book_copy, "check", "--chapters", "2")
+    assert re.search(r"^bug no-bang\s+FAIL", result.stdout, re.M)
+    assert ("bug no-bang: the first test to fail, tests/test_ch02_shout.py::test_shout_uppercases_and_adds_a_bang, "
+            "fails without the bug too") in result.stdout
+
+
 def test_bugs_lists_each_planted_bug_as_a_diff(book: Path) -> None:
     """`bugs 2` shows no-bang as a one-line diff of words.py in stage 2; `bugs 1` has none to show."""
     out = run_steps(book, "bugs", "2").stdout
-    assert "bug no-bang: tests/test_ch02_windows.py, tests/test_ch02_shout.py catch it" in out
+    assert "bug no-bang, caught by tests/test_ch02_windows.py, tests/test_ch02_shout.py" in out
     assert '--- a/minibook/words.py\n+++ b/minibook/words.py\n' in out
     assert '-    return text.upper() + "!"\n+    return text.upper()\n' in out
     assert run_steps(book, "bugs", "1").stdout.strip() == "chapter 01 plants no bugs"
@@ -379,6 +388,8 @@ PAIRS = '''def pairs(items: list[int]) -> list[list[int]]:
     return windows(copy, size)
 '''
 END_OF_WINDOW = "    # <<< ch03\n"  # the last line of window.py: what follows it is a new function
+ADD = ('    def add(self, text: str) -> int:\n        """Add the words of `text`; return the running total."""\n'
+       "        self.total += count_words(text)\n        return self.total\n")  # Counter.add in words.py
 
 RULES = {
     "marker between a def and its body": (
@@ -396,9 +407,10 @@ RULES = {
         '"""Words: counting them.\n\n# >>> ch02: and shouting them\n"""',
         "minibook/words.py:3: '# >>> ch02: and shouting them' inside a string: only a comment can be a marker"),
     "nested three deep": (
-        "minibook/words.py", '    return text.upper() + "!"\n',
-        '    # >>> ch03: three deep\n    text = text.strip()\n    # <<< ch03\n    return text.upper() + "!"\n',
-        "minibook/words.py:30: 'ch03' is nested 3 deep (at most 2"),
+        "minibook/words.py", ADD,
+        "    # >>> ch02: adding\n    # >>> ch03: two deep\n    # >>> ch03: three deep\n" + ADD
+        + "    # <<< ch03\n    # <<< ch03\n    # <<< ch02\n",
+        "minibook/words.py:22: 'ch03' is nested 3 deep (at most 2"),
     "replaces block that keeps nothing": (
         "tests/test_ch01_words.py", "ch03 removes ch01", "ch03 replaces ch01",
         "tests/test_ch01_words.py:16: 'ch03 replaces ch01' keeps no new code: a removal is written "
