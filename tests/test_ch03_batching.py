@@ -124,6 +124,7 @@ def test_the_step_reads_its_inputs_from_token_pool(llm):
     try:
         llm.runner.batch(ForwardMode.EXTEND, [req])
         llm.runner.tables.write_tokens(req.row, req.seq_len, [777])
+        req.output_ids.append(777)             # the host's copy, as if 777 had been sampled
         batch = llm.runner.batch(ForwardMode.DECODE, [req])
         llm.runner.forward(batch)
         assert batch.input_ids.tolist() == [777] and batch.positions.tolist() == [3]

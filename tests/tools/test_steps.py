@@ -549,3 +549,41 @@ def test_tree_2_marks_the_new_file(book: Path) -> None:
     assert marks["window.py"] == ["new"] and marks["words.py"] == ["changed"]
     assert marks["test_ch01_words.py"] == []
     assert "practice/ (1 file, unchanged)" in out
+
+
+# ---- exercises that start from earlier code, and exercise regions in the readability rules
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_an_exercise_from_an_earlier_chapter_starts_from_that_chapters_code(tmp_path: Path) -> None:
+    """Exercise 07.1 is marked `from ch06`: its stub is the region as stage 06 had it (the naive result
+    handling) under a comment naming the exercise, with no NotImplementedError; the reference keeps
+    chapter 07's fixes."""
+    stub = steps.build_stage(REPO, 7, tmp_path / "stub", stub="07.1")
+    ref = steps.build_stage(REPO, 7, tmp_path / "ref")
+    stage6 = steps.build_stage(REPO, 6, tmp_path / "six")
+
+    def handle(stage: Path) -> str:
+        text = (stage / "minioverlap/scheduler/scheduler.py").read_text()
+        start = text.index("    def handle(")
+        return text[start:text.index("\n    # ----", start)]
+
+    assert "# exercise 07.1: repair the naive result handling (this is chapter 06's code)" in handle(stub)
+    assert "NotImplementedError" not in handle(stub)
+    assert handle(stub).replace("        # exercise 07.1: repair the naive result handling (this is chapter 06's code)\n",
+                                "") == handle(stage6)
+    assert "req.finish_reason = req.check_stop()" in handle(ref) and "req.check_stop()" not in handle(stub)
+
+
+def test_exercise_markers_are_no_history_and_add_no_depth() -> None:
+    assert steps.is_history("        # >>> ch07 fix stale-reply: drop the token")
+    assert steps.is_history("        #| if req.finished:")
+    assert not steps.is_history("        # >>> exercise 04.2: handle a step's result")
+    assert not steps.is_history("        # <<< exercise 04.2")
+    inner = steps.Block("f.py", 3, "", 7, fix="x")
+    middle = steps.Block("f.py", 2, "", 4, exercise="04.2", body=[inner])
+    outer = steps.Block("f.py", 1, "", 7, exercise="07.1", body=[middle])
+    assert steps.depth_errors([outer], 1) == [], "two exercise regions around one chapter block: depth 1"
+    deep = steps.Block("f.py", 1, "", 5, body=[steps.Block("f.py", 2, "", 6, body=[steps.Block("f.py", 3, "", 7)])])
+    assert steps.depth_errors([deep], 1) != [], "three chapter blocks deep is still an error"
