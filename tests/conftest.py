@@ -71,6 +71,20 @@ def _hf_model(path: str):
     return _HF_CACHE[path]
 
 
+def run_example(path: str) -> str:
+    """Run an example as the README says, from the stage's root (the repository's, outside a stage),
+    and return what it printed. One thread: faster on a shared machine."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {"OMP_NUM_THREADS": "1", **os.environ,
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, path], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
 def random_checkpoint(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shard_size: str | None = None,
                       norm_noise: float = 0.0, **shape) -> Path:
     """A randomly initialised Qwen3 written by transformers' save_pretrained (its real tensor names).

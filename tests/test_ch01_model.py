@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import CODE_PROMPTS, _hf_model, hf_greedy, random_checkpoint
+from conftest import CODE_PROMPTS, _hf_model, hf_greedy, random_checkpoint, run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.reference.contiguous import ContiguousCache
 from minioverlap.model.loader import CheckpointError
@@ -303,18 +303,7 @@ def test_rmsnorm_equals_transformers_on_zero_and_tiny_inputs(dtype):
 def test_the_example_completes_the_prompt_with_transformers_tokens():
     """`python examples/ch01_model.py` prints the prompt's ids, a completion that starts with the prompt,
     and says that its 48 tokens equal transformers' greedy tokens."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch01_model.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch01_model.py")
     assert "prompt: 'def fibonacci(n):' -> 9 tokens [" in out
     assert "completion:\ndef fibonacci(n):\n" in out and "finish_reason: length" in out
     assert "tokens equal transformers' Qwen3ForCausalLM.generate: True (48 of 48)" in out

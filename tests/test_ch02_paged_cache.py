@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CODE_PROMPTS, random_checkpoint
+from conftest import CODE_PROMPTS, random_checkpoint, run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.cache.allocator import OutOfPages, PageAllocator
 from minioverlap.cache.req_to_token import ReqToTokenPool
@@ -140,19 +140,8 @@ def test_extend_attention_after_a_cached_prefix_equals_full_attention():
 def test_the_example_shows_equal_tokens_and_the_pages_of_one_request():
     """`python examples/ch02_paged_cache.py` finds chapter 01's tokens with pages of 1, 4 and 16 slots,
     then draws a 9-token prompt in pages of 4: pages 1, 2 and 3, position 8 in KV slot 12, 4 pages free."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch02_paged_cache.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch02_paged_cache.py")
     for size in (" 1", " 4", "16"):
         assert f"page_size {size}: 32 tokens, equal to chapter 01's contiguous cache: True" in out
     assert re.search(r"│ 0 +│ 'def' +│ 1 +│ 4 +│", out) and re.search(r"│ 8 +│ '\):' +│ 3 +│ 12 +│", out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CODE_PROMPTS
+from conftest import CODE_PROMPTS, run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.reference.batch_generate import generate_batch
 from minioverlap.engine.forward_batch import ForwardMode
@@ -148,18 +148,7 @@ def test_bad_sampling_params_name_the_field_and_the_limit(kwargs, message):
 def test_the_example_shows_each_prompt_equal_to_its_solo_run_and_the_seed_kept():
     """`python examples/ch03_batching.py`: five prompts in one batch, each equal to its solo run, and a
     seeded sample that draws the same tokens alone and in a batch."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch03_batching.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch03_batching.py")
     assert out.count("-> equal to its solo run: True") == 5 and "False" not in out
     assert "5 prompts: " in out and "same tokens: True" in out
 

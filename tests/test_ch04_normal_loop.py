@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import CODE_PROMPTS, no_hang, normal_loop, random_checkpoint
+from conftest import CODE_PROMPTS, no_hang, normal_loop, random_checkpoint, run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.scheduler.scheduler import IntegrityError
 
@@ -250,18 +250,7 @@ def test_the_example_prints_the_normal_loops_order_and_the_five_phases():
     """`python examples/ch04_normal_loop.py` prints the normal loop's order for one request of three
     tokens (in every later stage too, where the overlap loop is the default), then 32 steps of 16
     requests and a mean host time for each of the five phases."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch04_normal_loop.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch04_normal_loop.py")
     lines = out.splitlines()
     assert "  launch 1, handle 1, launch 2, handle 2, launch 3, handle 3" in lines
     assert "16 requests, 32 tokens each: 32 steps; mean host time per phase:" in lines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conftest import run_example
 from minioverlap import LLM, SamplingParams
 
 
@@ -61,19 +62,8 @@ def test_the_example_shows_the_host_one_step_behind_the_device():
     it (8 + N for a 9-token prompt), it has received N - 2 tokens, the device holds N; the six tokens
     equal the normal loop's."""
     import json
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch05_token_on_gpu.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch05_token_on_gpu.py")
     rows = re.findall(r"^ +step (\d) +(\d+) +(\[[\d, ]*\]) +(\[[\d, ]*\])$", out, re.MULTILINE)
     assert [int(n) for n, *_ in rows] == [1, 2, 3, 4, 5, 6]
     for n, seq_len, received, device in rows:

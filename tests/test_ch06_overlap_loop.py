@@ -10,6 +10,7 @@ import sys
 import weakref
 from pathlib import Path
 
+from conftest import run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.device.trace import Trace, chrome_trace
 
@@ -106,18 +107,7 @@ def test_the_timeline_notebook_runs():
 def test_the_example_prints_both_orders_and_equal_tokens():
     """`python examples/ch06_overlap_loop.py` prints the two loops' orders side by side and finds the
     same tokens in both for 16 requests."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch06_overlap_loop.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch06_overlap_loop.py")
     lines = out.splitlines()
     assert "  normal:  launch 1, handle 1, launch 2, handle 2, launch 3, handle 3" in lines
     assert "  overlap: launch 1, launch 2, handle 1, launch 3, handle 2, handle 3" in lines

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from conftest import run_example
 from minioverlap import LLM, SamplingParams
 # >>> ch08: the guards
 from minioverlap.config import Guards
@@ -233,19 +234,8 @@ def test_the_example_shows_the_naive_replies_against_the_fixed_ones():
     """`python examples/ch07_one_step_late.py`: with max_tokens=5 the naive handling marks the fourth
     reply finished (early-finish), the fixed one the fifth; after the stop token the naive handling
     sends one more reply (stale-reply), the fixed one ends on the stop token."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch07_one_step_late.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch07_one_step_late.py")
     replies = [line.split(":", 1)[1].split() for line in out.splitlines() if line.strip().startswith(("naive:", "fixed:"))]
     naive, fixed, naive_stop, fixed_stop = replies
     assert [r.endswith("*") for r in fixed] == [False] * 4 + [True]

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from conftest import run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.config import Guards
 from minioverlap.device.hazard import HazardChecker, HazardError
@@ -347,19 +348,8 @@ def test_the_example_shows_the_checker_silent_with_every_guard_and_a_race_withou
     """`python examples/ch08_fence.py`: silent with the defaults and with the deferral instead of the
     fence; with the fence off a race on req_to_token, with the prompt on the schedule stream a race on
     token_pool; and the deferral never makes fewer launches with nothing in flight than release at once."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent          # the stage's root (the repository's, outside a stage)
-    env = {"OMP_NUM_THREADS": "1", **os.environ,              # one thread: faster on a shared machine
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "examples/ch08_fence.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    out = run.stdout
+    out = run_example("examples/ch08_fence.py")
     lines = out.splitlines()
     after = {label: lines[lines.index(label) + 1].strip() for label in (
         "defaults: fence on, slot released at once, prompt written by its prefill", "fence off",
