@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minioverlap.sampling_params import SamplingParams
+
 TINY = Path(__file__).resolve().parent.parent / "minioverlap" / "checkpoints" / "tiny"
 CODE_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n",
                 "    for i in range(10):", "x = [1, 2, 3]\nprint("]
@@ -69,6 +71,23 @@ def _hf_model(path: str):
         logging.disable_progress_bar()
         _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return _HF_CACHE[path]
+
+
+# A short greedy probe: a bad input must leave the engine giving exactly these tokens as when it was fresh.
+PROBE = [[5, 6, 7], "def add(a, b):"]
+GREEDY = SamplingParams(max_tokens=4)
+
+
+def probe_tokens(llm) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROBE, GREEDY)]
+
+
+def assert_as_fresh(llm, fresh: list[list[int]]) -> None:
+    """The engine still gives a fresh engine's greedy tokens (and, from chapter 04, owns nothing it should not)."""
+    assert probe_tokens(llm) == fresh
+    # >>> ch04: the integrity check
+    llm.check_integrity()
+    # <<< ch04
 
 
 def run_example(path: str) -> str:

@@ -9,25 +9,17 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import GREEDY, PROBE, assert_as_fresh, probe_tokens
 from minioverlap import LLM, SamplingParams
 
-PROBE = [[5, 6, 7], "def add(a, b):"]
-GREEDY = SamplingParams(max_tokens=4)
 
 
 @pytest.fixture(scope="module")
 def engine() -> tuple[LLM, list[list[int]]]:
     """One engine for the module, and its greedy tokens while it is fresh."""
     llm = LLM(model="tiny")
-    return llm, [o.token_ids for o in llm.generate(PROBE, GREEDY)]
+    return llm, probe_tokens(llm)
 
-
-def assert_as_fresh(llm: LLM, fresh: list[list[int]]) -> None:
-    """The engine still gives a fresh engine's greedy tokens (and, from chapter 04, owns nothing it should not)."""
-    assert [o.token_ids for o in llm.generate(PROBE, GREEDY)] == fresh
-    # >>> ch04: the integrity check
-    llm.check_integrity()
-    # <<< ch04
 
 
 @pytest.mark.parametrize("prompts, params, message", [

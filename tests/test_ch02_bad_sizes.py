@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minioverlap import LLM, SamplingParams
+from conftest import GREEDY, PROBE, assert_as_fresh, probe_tokens
+from minioverlap import LLM
 
-PROBE = [[5, 6, 7], "def add(a, b):"]
-GREEDY = SamplingParams(max_tokens=4)
 HUGE = 2**62
 
 
@@ -18,15 +17,8 @@ HUGE = 2**62
 def engine() -> tuple[LLM, list[list[int]]]:
     """One engine for the module, and its greedy tokens while it is fresh."""
     llm = LLM(model="tiny", page_size=4)
-    return llm, [o.token_ids for o in llm.generate(PROBE, GREEDY)]
+    return llm, probe_tokens(llm)
 
-
-def assert_as_fresh(llm: LLM, fresh: list[list[int]]) -> None:
-    """The engine still gives a fresh engine's greedy tokens (and, from chapter 04, owns nothing it should not)."""
-    assert [o.token_ids for o in llm.generate(PROBE, GREEDY)] == fresh
-    # >>> ch04: the integrity check
-    llm.check_integrity()
-    # <<< ch04
 
 
 @pytest.mark.parametrize("kwargs, message", [

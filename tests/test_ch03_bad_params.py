@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import PROBE, assert_as_fresh, probe_tokens
 from minioverlap import LLM, SamplingParams
 from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import sample_one
 
-PROBE = [[5, 6, 7], "def add(a, b):"]
-GREEDY = SamplingParams(max_tokens=4)
 NAN, INF = float("nan"), float("inf")
 
 
@@ -23,15 +22,8 @@ NAN, INF = float("nan"), float("inf")
 def engine() -> tuple[LLM, list[list[int]]]:
     """One engine for the module, and its greedy tokens while it is fresh."""
     llm = LLM(model="tiny", page_size=4)
-    return llm, [o.token_ids for o in llm.generate(PROBE, GREEDY)]
+    return llm, probe_tokens(llm)
 
-
-def assert_as_fresh(llm: LLM, fresh: list[list[int]]) -> None:
-    """The engine still gives a fresh engine's greedy tokens (and, from chapter 04, owns nothing it should not)."""
-    assert [o.token_ids for o in llm.generate(PROBE, GREEDY)] == fresh
-    # >>> ch04: the integrity check
-    llm.check_integrity()
-    # <<< ch04
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 import minioverlap
+from conftest import GREEDY, PROBE, assert_as_fresh, probe_tokens
 from minioverlap import LLM, SamplingParams
 from minioverlap.scheduler.scheduler import IntegrityError
 
-PROBE = [[5, 6, 7], "def add(a, b):"]
-GREEDY = SamplingParams(max_tokens=4)
 STREAMED = ["def fibonacci(n):", "class Stack:"]
 
 
@@ -22,7 +21,7 @@ STREAMED = ["def fibonacci(n):", "class Stack:"]
 def engine() -> tuple[LLM, list[list[int]]]:
     """One engine for the module, and its greedy tokens while it is fresh."""
     llm = LLM(model="tiny", page_size=4)
-    return llm, [o.token_ids for o in llm.generate(PROBE, GREEDY)]
+    return llm, probe_tokens(llm)
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +29,6 @@ def alone(engine) -> list[list[int]]:
     """The greedy tokens of each STREAMED prompt served without interruption."""
     return [o.token_ids for o in engine[0].generate(STREAMED, GREEDY)]
 
-
-def assert_as_fresh(llm: LLM, fresh: list[list[int]]) -> None:
-    """The engine still gives a fresh engine's greedy tokens, and owns nothing it should not."""
-    assert [o.token_ids for o in llm.generate(PROBE, GREEDY)] == fresh
-    llm.check_integrity()
 
 
 @pytest.mark.parametrize("stop_token_ids, message", [
