@@ -33,11 +33,7 @@ from minioverlap.device.trace import chrome_trace
 
 def generate(args: argparse.Namespace, console: Console) -> None:
     """Complete the prompt, printing the text as the tokens arrive."""
-    # >>> ch06 replaces ch01: either loop (--loop), or the engine's default
-    #| llm = LLM(model=args.model, device=args.device)
-    loop = {} if args.loop is None else {"overlap": args.loop == "overlap"}
-    llm = LLM(model=args.model, device=args.device, **loop)
-    # <<< ch06
+    llm = LLM(**engine_options(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         # >>> ch03: sampling
@@ -57,6 +53,35 @@ def generate(args: argparse.Namespace, console: Console) -> None:
     console.print()
     # <<< ch04
     console.print(f"[dim]({len(tokens)} tokens, finish_reason={reason})[/dim]")
+    # >>> ch09: MTP: tokens per target pass
+    if args.mtp:
+        console.print(accept_length(llm, tokens), style="dim", highlight=False)
+    # <<< ch09
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The LLM options that the command line asks for."""
+    options = {"model": args.model, "device": args.device}
+    # >>> ch06: either loop (--loop), or the engine's default
+    if args.loop is not None:
+        options["overlap"] = args.loop == "overlap"
+    # <<< ch06
+    # >>> ch09: MTP drafts, in the normal loop until chapter 12
+    if args.mtp and args.loop == "overlap":
+        raise ValueError(f"--mtp {args.mtp} runs in the normal loop for now: drop --loop overlap "
+                         "(speculative decoding in the overlap loop is chapter 12's)")
+    if args.mtp:
+        options |= {"mtp_steps": args.mtp, "overlap": False}
+    # <<< ch09
+    return options
+# >>> ch09: MTP: tokens per target pass
+
+
+def accept_length(llm: LLM, tokens: list[int]) -> str:
+    """Tokens per target pass. One request: each step of the run is one target pass, the prefill too."""
+    steps = len({e.step for e in llm.trace})
+    return f"accept length {len(tokens) / steps:.2f} ({len(tokens)} tokens in {steps} verify steps)"
+# <<< ch09
 # >>> ch04: the event trace
 
 
@@ -150,6 +175,11 @@ def parser() -> argparse.ArgumentParser:
     # >>> ch06: both loops
     sub.choices["generate"].add_argument("--loop", choices=("normal", "overlap"),
                                          help="the scheduler loop that serves the request (default: the engine's)")
+    # >>> ch09: MTP drafts
+    sub.choices["generate"].add_argument("--mtp", type=int, metavar="K",
+                                         help="drafts per step with the model's MTP layer (speculative decoding); "
+                                              "implies the normal loop until chapter 12")
+    # <<< ch09
     trace_cmd = sub.choices["trace"]
     trace_cmd.add_argument("--loop", choices=("normal", "overlap"), default="normal",
                            help="the loop to trace (default: %(default)s)")

@@ -5,6 +5,9 @@ shared tables are a small config of their own, given to the runner and the sched
 
 from __future__ import annotations
 
+# >>> ch09: MTP
+import operator
+# <<< ch09
 from dataclasses import dataclass, fields
 
 import torch
@@ -34,6 +37,9 @@ class EngineArgs:
     hazard_check: bool = False                # True: record every access to a shared table; HazardError on a race
     guards: Guards | None = None              # every guard on its own (chapter 08's demonstrations); None: the defaults
     # <<< ch08
+    # >>> ch09: MTP speculative decoding
+    mtp_steps: int = 0                        # > 0: the MTP layer drafts that many tokens per step (normal loop)
+    # <<< ch09
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -43,6 +49,9 @@ class EngineArgs:
         if self.guards is not None and not self.fence:
             raise ValueError("fence=False and guards=Guards(...) both given: pass Guards(fence=False) alone")
         # <<< ch08
+        # >>> ch09: MTP
+        check_mtp_steps(self.mtp_steps, self.overlap)
+        # <<< ch09
     # >>> ch08: the guards in use
 
     def resolved_guards(self) -> Guards:
@@ -69,3 +78,20 @@ class Guards:
 def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+# >>> ch09: MTP
+
+MAX_MTP_STEPS = 8                      # drafts per step; beyond a few, almost none are accepted
+
+
+def check_mtp_steps(value: object, overlap: bool) -> None:
+    """An integer (not a bool) in [0, MAX_MTP_STEPS], and until chapter 12 only in the normal loop."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number <= MAX_MTP_STEPS:
+        raise ValueError(f"mtp_steps must be an integer in [0, {MAX_MTP_STEPS}], got {value!r}")
+    if value and overlap:
+        raise ValueError(f"mtp_steps={value} runs in the normal loop: pass overlap=False as well "
+                         "(speculative decoding in the overlap loop is chapter 12's)")
+# <<< ch09

@@ -39,6 +39,9 @@ from minioverlap.scheduler.scheduler import Reply, Scheduler
 # >>> ch08: the hazard checker
 from minioverlap.device.hazard import HazardChecker
 # <<< ch08
+# >>> ch09: the MTP drafter
+from minioverlap.model.mtp import load_mtp
+# <<< ch09
 
 Prompt = str | list[int]
 Params = SamplingParams | list[SamplingParams] | None
@@ -51,6 +54,9 @@ class RequestOutput:
     token_ids: list[int]               # the generated tokens (EOS included if hit)
     text: str                          # the generated tokens decoded (special tokens skipped)
     finish_reason: str | None          # "stop" (EOS or a stop token), "length" (max_tokens or the context), "abort"
+    # >>> ch09: MTP
+    verify_steps: int = 0              # target passes that produced the tokens (0 without MTP)
+    # <<< ch09
 
 
 class LLM:
@@ -59,7 +65,7 @@ class LLM:
     def __init__(self, model: str = "tiny", **options) -> None:
         """Load the checkpoint and build the engine. `options` are the fields of EngineArgs
         (minioverlap/config.py), each with its default there: device, dtype, max_seq_len; page_size and
-        num_pages (02); max_running (03); overlap (06); fence and hazard_check (08)."""
+        num_pages (02); max_running (03); overlap (06); fence and hazard_check (08); mtp_steps (09)."""
         self.args = _engine_args(model, options)
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(self.args.device)
@@ -75,6 +81,10 @@ class LLM:
         # >>> ch02: the paged cache
         self.runner = self.make_runner()
         # <<< ch02
+        # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
+        if self.args.mtp_steps:
+            self.runner.init_drafter(load_mtp(self.model_dir, self.model), self.args.mtp_steps)
+        # <<< ch09
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04
@@ -88,7 +98,7 @@ class LLM:
         # <<< ch03
         page_size = _check_int("page_size", self.args.page_size, 1)
         num_pages = self.args.num_pages
-        num_pages = self.max_running * -(-self.max_seq_len // page_size) + 1 if num_pages is None else num_pages
+        num_pages = self.default_pages(page_size) if num_pages is None else num_pages
         num_pages = _check_int("num_pages", num_pages, 2)
         _check_memory(self, num_pages, page_size)
         # >>> ch08 replaces ch02: the guards, and the checker for everything that records accesses
@@ -98,6 +108,14 @@ class LLM:
                            max_seq_len=self.max_seq_len, guards=self.args.resolved_guards(),
                            hazards=HazardChecker() if self.args.hazard_check else None)
         # <<< ch08
+
+    def default_pages(self, page_size: int) -> int:
+        """Pages for every request slot to hold a whole context at once (page 0 is never handed out)."""
+        # >>> ch09 replaces ch02: with MTP, and a window of k slots past its last token
+        #| tokens = self.max_seq_len
+        tokens = self.max_seq_len + self.args.mtp_steps
+        # <<< ch09
+        return self.max_running * -(-tokens // page_size) + 1
     # <<< ch02
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -166,8 +184,15 @@ class LLM:
         for _ in self._serve(reqs):
             pass
         # <<< ch04
-        return [RequestOutput(r.uid, r.prompt_ids, r.output_ids, self.decode(r.output_ids), r.finish_reason)
-                for r in reqs]
+        return [self.output(r) for r in reqs]
+
+    def output(self, req: Req) -> RequestOutput:
+        """What the caller gets for a request."""
+        # >>> ch09 replaces ch01: with MTP, the verify steps too
+        #| return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason)
+        return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason,
+                             req.verify_steps)
+        # <<< ch09
     # >>> ch04: the scheduler
 
     def stream(self, prompts: Prompt | list[Prompt], params: Params = None) -> Iterator[Reply]:

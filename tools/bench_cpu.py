@@ -2,6 +2,7 @@
 
     python tools/bench_cpu.py                       # 16 requests of 64 new tokens, 3 timed runs each
     python tools/bench_cpu.py --requests 8 --tokens 128 --repeats 5 --threads 1
+    python tools/bench_cpu.py --mtp 3               # MTP (3 drafts per step) against plain, batch 1 and 16
 
 Each contender serves the same requests with the tiny model in fp32: N different code prompts, each
 generating exactly T new tokens (greedy; minioverlap with ignore_eos, transformers with min_new_tokens
@@ -14,6 +15,13 @@ the median CPU time of the process (which, with one thread, leaves out the time 
 core on a busy machine). It also prints the normal loop's mean host time per phase of a step
 (llm.trace.phase_times_us()): on a CPU `launch` runs the whole step, as there is no device to queue
 the work on.
+
+With --mtp K it measures chapter 09 instead: minioverlap's normal loop with MTP speculative decoding
+(K drafts per step; MTP runs in the normal loop until chapter 12) against the same loop without, at
+batch 1 and at --requests, taking turns the same way, and prints tokens/s side by side with their ratio
+and the accept length (tokens per verify step); besides the ratio of the medians, the median of each
+round's own ratio, which a change in the machine's load between rounds does not skew. Greedy: both
+produce the same tokens (checked).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
-from minioverlap import LLM, SamplingParams
+from minioverlap import LLM, RequestOutput, SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n", "for i in range(10):",
@@ -40,10 +48,12 @@ PROMPTS = [
 ]
 
 
-def run_minioverlap(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
-    """All prompts at once through the scheduler: one ragged prefill, then one decode step per token."""
+def run_minioverlap(llm: LLM, prompts: list[list[int]], tokens: int) -> list[RequestOutput]:
+    """All prompts at once through the scheduler: one ragged prefill, then one decode step per token
+    (with MTP one verify step per accepted window)."""
     outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
     assert all(len(o.token_ids) == tokens for o in outs)
+    return outs
 
 
 def run_transformers(model, prompts: list[list[int]], tokens: int) -> None:
@@ -64,17 +74,72 @@ def timed(run: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def race(runs: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Warm each run up once, then let them take turns `repeats` times, so that a change in the machine's
+    load hits every contender alike -> (wall seconds, CPU seconds) of each timed run, by name."""
+    for run in runs.values():              # warm-up
+        run()
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            w, c = timed(run)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return wall, cpu
+
+
+def bench_mtp(args: argparse.Namespace) -> None:
+    """MTP with --mtp drafts per step against plain decoding, both in the normal loop, at batch 1 and --requests."""
+    k, rows = args.mtp, []
+    for batch in sorted({1, args.requests}):
+        engines = {"plain": LLM(model="tiny", max_running=batch, overlap=False),
+                   "mtp": LLM(model="tiny", max_running=batch, overlap=False, mtp_steps=k)}
+        prompts = [engines["plain"].encode(p) for p in PROMPTS[:batch]]
+        runs = {name: partial(run_minioverlap, llm, prompts, args.tokens) for name, llm in engines.items()}
+        plain_outs, mtp_outs = runs["plain"](), runs["mtp"]()
+        assert [o.token_ids for o in mtp_outs] == [o.token_ids for o in plain_outs], "greedy MTP changed the tokens"
+        wall, cpu = race(runs, args.repeats)
+        tok_s = {name: batch * args.tokens / statistics.median(t) for name, t in wall.items()}
+        paired = statistics.median(p / m for p, m in zip(wall["plain"], wall["mtp"]))   # each round's own ratio
+        rows.append({"batch": batch, "accept_length": batch * args.tokens / sum(o.verify_steps for o in mtp_outs),
+                     "tokens_per_s": tok_s, "ratio": tok_s["mtp"] / tok_s["plain"], "paired_ratio": paired,
+                     "wall_s": {name: [round(s, 3) for s in t] for name, t in wall.items()},
+                     "cpu_s": {name: [round(s, 3) for s in t] for name, t in cpu.items()}})
+    print(f"MTP (k={k}) against plain decoding, normal loop, {args.tokens} new tokens per request, tiny model, fp32, "
+          f"{torch.get_num_threads()} torch threads, median of {args.repeats} runs each")
+    print(f"  {'batch':>5s} {'plain tok/s':>12s} {f'MTP k={k} tok/s':>15s} {'MTP / plain':>12s} {'paired':>7s} "
+          f"{'accept length':>14s}")
+    for r in rows:
+        print(f"  {r['batch']:5d} {r['tokens_per_s']['plain']:12.0f} {r['tokens_per_s']['mtp']:15.0f} "
+              f"{r['ratio']:11.2f}x {r['paired_ratio']:6.2f}x {r['accept_length']:14.2f}")
+    print("  MTP / plain: the ratio of the medians; paired: the median of each round's ratio (the two ran back to "
+          "back, so a change in load cancels)")
+    print(json.dumps({"mtp_steps": k, "tokens": args.tokens, "repeats": args.repeats,
+                      "threads": torch.get_num_threads(),
+                      "batches": [{key: ({n: round(v, 1) for n, v in val.items()} if key == "tokens_per_s"
+                                         else round(val, 3) if isinstance(val, float) else val)
+                                   for key, val in r.items()} for r in rows]}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16, help=f"concurrent requests (at most {len(PROMPTS)})")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each, taking turns")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--mtp", type=int, metavar="K",
+                        help="instead: MTP with K drafts per step against plain decoding, batch 1 and --requests")
     args = parser.parse_args()
     if not 1 <= args.requests <= len(PROMPTS):
         parser.error(f"--requests must be in [1, {len(PROMPTS)}], got {args.requests}")
+    if args.mtp is not None and args.mtp < 1:
+        parser.error(f"--mtp must be at least 1, got {args.mtp}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mtp:
+        bench_mtp(args)
+        return
 
     loops = {"normal": LLM(model="tiny", max_running=args.requests, overlap=False),
              "overlap": LLM(model="tiny", max_running=args.requests, overlap=True)}
@@ -85,15 +150,7 @@ def main() -> None:
     runs = {f"minioverlap {loop}": partial(run_minioverlap, llm, prompts, args.tokens) for loop, llm in loops.items()}
     runs["transformers"] = partial(run_transformers, hf, prompts, args.tokens)
 
-    for run in runs.values():              # warm-up
-        run()
-    wall: dict[str, list[float]] = {name: [] for name in runs}
-    cpu: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):          # take turns, so that a change in load hits every contender
-        for name, run in runs.items():
-            w, c = timed(run)
-            wall[name].append(w)
-            cpu[name].append(c)
+    wall, cpu = race(runs, args.repeats)
 
     total = args.requests * args.tokens
     tok_s = {name: total / statistics.median(t) for name, t in wall.items()}

@@ -122,6 +122,28 @@ class ReqToTokenPool:
         self.record("token_pool", batch.next_cells(), "write", "the sampler writes the next input tokens")
         # <<< ch08
     # <<< ch05
+    # >>> ch09: MTP: a verify step's window in token_pool
+
+    def write_drafts(self, batch: ForwardBatch, drafts: torch.Tensor) -> None:
+        """The k drafts [B, k] after each request's bonus token: positions L+1..L+k, the verify's input."""
+        B, W = drafts.shape[0], drafts.shape[1] + 1
+        self.token_pool[batch.req_pool_indices[:, None], batch.positions.view(B, W)[:, 1:]] = drafts.to(torch.int32)
+        self.record("token_pool", window_cells(batch, 1, W), "write", "the drafter writes the drafts")
+
+    def write_window(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
+        """A verify step's tokens [B, W] at positions L+1..L+W: the accepted drafts, then the next bonus
+        token at L + accept_len (what lies beyond it is never read: the next window overwrites it)."""
+        B, W = tokens.shape
+        self.token_pool[batch.req_pool_indices[:, None], batch.positions.view(B, W) + 1] = tokens.to(torch.int32)
+        self.record("token_pool", window_cells(batch, 1, W + 1), "write", "the verify writes its accepted tokens")
+    # <<< ch09
+    # >>> ch10: a window's KV slots, read on the device
+
+    def kv_slots_at(self, batch: ForwardBatch, positions: torch.Tensor) -> torch.Tensor:
+        """req_to_token at each request's positions [B, W] -> KV slots [B*W]."""
+        self.record("req_to_token", window_cells(batch, 0, positions.shape[1]), "read", "the step looks up its window's KV slots")
+        return self.req_to_token[batch.req_pool_indices[:, None], positions].flatten().long()
+    # <<< ch10
     # >>> ch08: a prefill writes its own prompt; every access is recorded
 
     def write_prompts(self, batch: ForwardBatch) -> None:
@@ -134,3 +156,10 @@ class ReqToTokenPool:
         if self.hazards:
             self.hazards.access(name, cells, kind, site)
     # <<< ch08
+# >>> ch09: MTP: a verify step's window in token_pool
+
+
+def window_cells(batch: ForwardBatch, start: int, end: int) -> list[tuple[int, int]]:
+    """Positions L+start .. L+end-1 of each request's row, L its committed length."""
+    return [(row, p + j) for row, p in zip(batch.rows, batch.prefix_lens) for j in range(start, end)]
+# <<< ch09

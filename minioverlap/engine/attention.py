@@ -8,6 +8,8 @@ of each request through the page table:
     EXTEND (ragged prefill): one request at a time, its new queries against its whole sequence;
     DECODE (batched): all requests at once, one query each, against K/V gathered into [B, L] and
                       padded to the longest sequence; positions past a request's length are masked.
+    TARGET_VERIFY (chapter 09): as DECODE, with a window of W queries per request, each masked to the
+                      keys at or before its own position.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class PagedAttention:
         if self.batch.mode is ForwardMode.DECODE:
             return decode_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_table,
                                     self.batch.seq_lens)
+        # >>> ch09: MTP's verify and draft extend: a window of queries per request, batched
+        if self.batch.mode is ForwardMode.TARGET_VERIFY:
+            return window_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_table,
+                                    self.batch.positions)
+        # <<< ch09
         return self.extend_attention(layer_id, q)
 
     def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
@@ -62,3 +69,19 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                                          enable_gqa=True)         # [B, Hq, 1, D]
     return out[:, :, 0]
     # <<< exercise 02.1
+# >>> ch09: a window of queries per request
+
+
+def window_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """W queries per request, q [B*W, Hq, D] at positions [B*W], each against its request's K/V at
+    positions 0 .. its own (causal inside the window) -> [B*W, Hq, D]. Decode is the case W = 1."""
+    (B, L), slots = page_table.shape, page_table.flatten()
+    W, Hq, D = q.shape[0] // B, q.shape[1], q.shape[2]
+    k = k_pool.index_select(0, slots).view(B, L, *k_pool.shape[1:]).transpose(1, 2)    # [B, Hkv, L, D]
+    v = v_pool.index_select(0, slots).view(B, L, *v_pool.shape[1:]).transpose(1, 2)
+    visible = torch.arange(L, device=q.device)[None, None, :] <= positions.view(B, W)[:, :, None]   # [B, W, L]
+    out = F.scaled_dot_product_attention(q.view(B, W, Hq, D).transpose(1, 2), k, v,
+                                         attn_mask=visible[:, None], enable_gqa=True)         # [B, Hq, W, D]
+    return out.transpose(1, 2).reshape(B * W, Hq, D)
+# <<< ch09

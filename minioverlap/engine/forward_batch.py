@@ -34,6 +34,9 @@ from minioverlap.engine.request import Req
 class ForwardMode(Enum):
     EXTEND = "extend"
     DECODE = "decode"
+    # >>> ch09: MTP's verify: a window of tokens per request, all requests at once
+    TARGET_VERIFY = "verify"
+    # <<< ch09
 
 
 @dataclass
@@ -57,6 +60,9 @@ class ForwardBatch:
     prompt_tokens: torch.Tensor | None = None   # [T] EXTEND: the tokens the step writes into token_pool
     read_done: Event | None = None   # recorded once the step has read the shared tables
     # <<< ch08
+    # >>> ch09: MTP: the drafter's inputs, each request's first draft [B] and MTP hidden state [B, hidden]
+    draft_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    # <<< ch09
 
     @property
     def max_seq_len(self) -> int:
@@ -125,3 +131,57 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
                                          for t in r.prompt_ids[start:start + n]], torch.int32, device)
     # <<< ch08
     return batch
+# >>> ch09: MTP: KV slots reserved for a window, and the verify step's batch
+
+
+def reserve_kv(req: Req, end: int, allocator: PageAllocator, tables: ReqToTokenPool) -> None:
+    """Give req a KV slot for every position below `end` (pages as needed, their slots into req_to_token),
+    without moving seq_len: which of them will hold accepted tokens the step decides."""
+    start = max(req.seq_len, req.kv_len)
+    req.pages += allocator.alloc(allocator.pages_for(end) - len(req.pages))
+    if end > start:
+        tables.write(req.row, start, allocator.kv_slots(req.pages, start, end))
+        req.kv_len = end
+
+
+def build_verify_batch(reqs: list[Req], window: int, allocator: PageAllocator, tables: ReqToTokenPool,
+                       device: str | torch.device) -> ForwardBatch:
+    """A speculative decode step: each request runs `window` = k+1 positions, seq_len .. seq_len+k (the
+    bonus token and k drafts), all with KV slots reserved. seq_len moves only when the host learns how
+    many were accepted."""
+    for r in reqs:
+        reserve_kv(r, r.seq_len + window, allocator, tables)
+    prefix_lens, extend_lens, rows = [r.seq_len for r in reqs], [window] * len(reqs), [r.row for r in reqs]
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.int64, device)
+
+    # >>> ch10 replaces ch09: the step lays its window out on the device, from the relay (resolve_window)
+    #| positions = tensor([r.seq_len + j for r in reqs for j in range(window)])
+    #| loc = tensor([s for r in reqs for s in allocator.kv_slots(r.pages, r.seq_len, r.seq_len + window)])
+    #| seq_lens = tensor([r.seq_len + window for r in reqs])
+    positions = loc = seq_lens = None
+    # <<< ch10
+    batch = ForwardBatch(ForwardMode.TARGET_VERIFY, reqs, None, positions, loc, tensor(rows), seq_lens, prefix_lens,
+                         extend_lens, rows, [p for r in reqs for p in r.pages],
+                         tensor([(i + 1) * window - 1 for i in range(len(reqs))]))
+    batch.token_rows = to_device([r for r in rows for _ in range(window)], torch.int64, device)
+    # >>> ch10 removes ch09: the relay gives them, on the device, when the step runs
+    #| batch.draft_inputs = (torch.stack([r.draft[0] for r in reqs]), torch.stack([r.draft[1] for r in reqs]))
+    # <<< ch10
+    return batch
+# <<< ch09
+# >>> ch10: a window laid out on the device, from slot numbers
+
+
+def resolve_window(batch: ForwardBatch, seq_lens: torch.Tensor, tables: ReqToTokenPool) -> None:
+    """A verify step's positions, KV slots and lengths, computed on the device from each request's
+    committed length seq_lens [B] (the relay's): positions L..L+k, their slots in req_to_token."""
+    W = batch.extend_lens[0]
+    # >>> exercise 10.2: a window from slot numbers
+    positions = seq_lens[:, None] + torch.arange(W, device=seq_lens.device)      # [B, W]
+    batch.positions = positions.flatten()
+    batch.out_cache_loc = tables.kv_slots_at(batch, positions)
+    batch.seq_lens = seq_lens + W
+    # <<< exercise 10.2
+# <<< ch10

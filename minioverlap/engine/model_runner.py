@@ -32,9 +32,24 @@ from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import make_generator, sample
 # <<< ch03
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
+# >>> ch09: the MTP drafter
+from minioverlap.engine.forward_batch import build_verify_batch
+from minioverlap.engine.speculative import speculate
+from minioverlap.model.mtp import MTPLayer
+# <<< ch09
+# >>> ch10: the relay
+from minioverlap.engine.forward_batch import resolve_window
+from minioverlap.engine.relay import Relay
+# <<< ch10
 
 
 class ModelRunner:
+    """The model and the device state a step touches, one step at a time."""
+    # >>> ch09: no drafter unless init_drafter gives one
+    mtp: MTPLayer | None = None
+    mtp_steps: int = 0
+    # <<< ch09
+
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int, page_size: int, max_running: int, max_seq_len: int,
                  # >>> ch08: the guards, and the checker, given to everything that records accesses
                  guards: Guards = Guards(), hazards: HazardChecker | None = None,
@@ -43,7 +58,8 @@ class ModelRunner:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), and the two streams (06). From chapter 08 it also
         holds the guards and the hazard checker, which it gives to everything that records accesses.
-        Nothing above the runner touches a device table."""
+        Nothing above the runner touches a device table. From chapter 09 it may hold the MTP drafter
+        (init_drafter)."""
         c, weight = model.config, model.model.embed_tokens.weight
         self.model, self.device = model, weight.device
         self.allocator = PageAllocator(num_pages, page_size)
@@ -61,18 +77,46 @@ class ModelRunner:
         # <<< ch08
         # <<< ch06
 
+    # >>> ch09: the MTP drafter
+    def init_drafter(self, mtp: MTPLayer, mtp_steps: int) -> None:
+        """Draft mtp_steps tokens a step with the MTP layer. It gets its own KV pool, one layer at the same
+        KV slots as the target's: it shares req_to_token and the allocator (as SGLang's draft worker
+        shares the target's pools). A window reaches k positions past a request's last token, so the
+        request tables, still empty, are made k columns wider."""
+        k_pool = self.kv_pool.k[0]
+        self.mtp, self.mtp_steps = mtp, mtp_steps
+        self.draft_kv_pool = KVPool(1, k_pool.shape[0], k_pool.shape[1], k_pool.shape[2], k_pool.dtype, self.device)
+        rows, width = self.tables.req_to_token.shape
+        self.tables = ReqToTokenPool(rows - 1, width + mtp_steps, self.device, self.hazards)
+        # >>> ch10: the relay, one row per request slot
+        self.relay = Relay(rows, mtp.eh_proj.out_features, k_pool.dtype, self.device, self.hazards)
+        # <<< ch10
+
+    # <<< ch09
     def batch(self, mode: ForwardMode, reqs: list[Req]) -> ForwardBatch:
         """Lay out the step's batch: each request's new KV slots allocated and written to req_to_token."""
         # >>> ch05 removes ch04: the sampler writes each token into token_pool, on the device
         #| for req in reqs if mode is ForwardMode.DECODE else []:
         #|     self.write_next_token(req, req.output_ids[-1])     # the token the host received: the step's input
         # <<< ch05
+        # >>> ch09: with MTP a decode step verifies a window of k+1 positions per request
+        if self.mtp is not None and mode is ForwardMode.DECODE:
+            return build_verify_batch(reqs, self.mtp_steps + 1, self.allocator, self.tables, self.device)
+        # <<< ch09
         return build_batch(mode, reqs, self.allocator, self.tables, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch; returns the logits [B, vocab] of each request's last token."""
-        ctx = PagedAttention(self.kv_pool, self.tables.page_table(batch), batch)
+        hidden = self.hidden_states(batch, self.attention(batch))
+        return self.model.compute_logits(hidden[batch.last_index])
+
+    def attention(self, batch: ForwardBatch) -> PagedAttention:
+        """The step's attention context, with its page table read once, before any layer runs."""
+        return PagedAttention(self.kv_pool, self.tables.page_table(batch), batch)
+
+    def hidden_states(self, batch: ForwardBatch, ctx: PagedAttention) -> torch.Tensor:
+        """The model over the batch's tokens -> final hidden states [T, hidden]."""
         # >>> ch03: the inputs are read from token_pool
         self.read_inputs(batch)
         # <<< ch03
@@ -80,7 +124,7 @@ class ModelRunner:
         # >>> ch08: the checker
         self.record_kv_accesses(batch)
         # <<< ch08
-        return self.model.compute_logits(hidden[batch.last_index])
+        return hidden
     # >>> ch03: the inputs are read from token_pool
 
     def read_inputs(self, batch: ForwardBatch) -> None:
@@ -112,12 +156,27 @@ class ModelRunner:
 
     def run(self, batch: ForwardBatch, step: int) -> StepOutput:
         """Forward, sample, and start copying the tokens to the host."""
+        # >>> ch09: with MTP, a speculative step
+        if self.mtp is not None:
+            return self.run_speculative(batch, step)
+        # <<< ch09
         tokens = self.next_tokens(batch)
         cpu, copy_done = to_host(tokens)
         # >>> ch08: the checker sees the copy-done event too
         copy_done = self.streams.record(copy_done)
         # <<< ch08
         return StepOutput(step, batch, tokens, cpu, copy_done)
+    # >>> ch09: with MTP, a speculative step
+
+    @torch.inference_mode()
+    def run_speculative(self, batch: ForwardBatch, step: int) -> StepOutput:
+        """Each request's window of tokens and how many of them count, both started on their way to the host."""
+        tokens, accept_lens = speculate(self, batch)
+        cpu, _ = to_host(tokens)
+        accept_lens_cpu, copy_done = to_host(accept_lens)      # behind the tokens' copy: its event covers both
+        copy_done = self.streams.record(copy_done)
+        return StepOutput(step, batch, tokens, cpu, copy_done, accept_lens=accept_lens, accept_lens_cpu=accept_lens_cpu)
+    # <<< ch09
 
     def next_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         """Each request's next token [B], on the device."""
@@ -135,6 +194,25 @@ class ModelRunner:
         self.streams.host_wait(out.copy_done, f"the host waits for step {out.step}'s tokens")
         # <<< ch08
     # <<< ch04
+    # >>> ch09: where the drafter's next inputs wait between steps
+
+    def stash_drafts(self, batch: ForwardBatch, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep each request's next first draft and hidden state, on the device, for its next step."""
+        # >>> ch10 replaces ch09: in the relay's rows of the step's slots
+        #| for i, req in enumerate(batch.reqs):
+        #|     req.draft = (first[i], hidden[i])
+        self.relay.stash(batch.req_pool_indices, batch.rows, first, hidden)
+        # <<< ch10
+    # <<< ch09
+    # >>> ch10: the relay
+
+    def resolve(self, batch: ForwardBatch) -> None:
+        """Read the relay's rows of the step's slots: lay the window out from the committed lengths, and
+        hand the drafter its inputs."""
+        seq_lens, draft, hidden = self.relay.read(batch.req_pool_indices, batch.rows)
+        resolve_window(batch, seq_lens, self.tables)
+        batch.draft_inputs = (draft, hidden)
+    # <<< ch10
     # >>> ch08: the fence; the checker's step names; what a step does to the KV pool, for the checker
 
     def fence(self, out: StepOutput) -> None:

@@ -28,6 +28,13 @@ class Req:
     generator: torch.Generator | None = None   # its own random stream when params.seed is set
     # <<< ch03
     finish_reason: str | None = None    # "stop", "length" or "abort" once it is done
+    # >>> ch09: MTP: the passes that produced its tokens, the KV slots reserved ahead, the next drafts' inputs
+    verify_steps: int = 0               # target passes that produced its tokens (0 without MTP)
+    kv_len: int = 0                     # positions with a KV slot in req_to_token (with MTP beyond seq_len)
+    # >>> ch10 removes ch09: the relay holds them, in the request slot's row
+    #| draft: tuple[torch.Tensor, torch.Tensor] | None = None   # next first draft token, MTP hidden state: on the device
+    # <<< ch10
+    # <<< ch09
 
     @property
     def finished(self) -> bool:

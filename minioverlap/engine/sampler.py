@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from minioverlap.engine.request import Req
+from minioverlap.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -24,7 +25,13 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
 
 
 def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then one draw from what is left.
+    """One draw from the request's adjusted distribution, with its own generator if it is seeded."""
+    return torch.multinomial(adjusted_probs(logits, req.params), 1, generator=req.generator)[0]
+
+
+def adjusted_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p: the distribution a request samples from, for each row of
+    logits [..., vocab] (one row here; from chapter 09 every position of a speculative window).
 
     The logits are shifted so that the largest is 0 before the division: a temperature so small that
     the quotients overflow (1e-45) then sends the others to -inf, never the top one to inf or NaN, and
@@ -33,19 +40,18 @@ def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
     arithmetic is float64, where every temperature SamplingParams accepts and every top_p stays > 0
     (in float32, 1e-46 and 1e-300 round to 0, which would let top-p drop every token).
     """
-    p = req.params
     # >>> exercise 03.1: top-k and top-p sampling
-    logits = (logits.double() - logits.max()) / p.temperature     # all <= 0, the top one 0
+    logits = (logits.double() - logits.max(dim=-1, keepdim=True).values) / p.temperature   # all <= 0, the top one 0
     if p.top_k > 0:
-        kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     if p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs        # probability mass ranked above each token
         sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)   # the top token (0 above it) always stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=req.generator)[0]
+    return probs
     # <<< exercise 03.1
 
 

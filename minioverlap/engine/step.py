@@ -30,3 +30,15 @@ class StepOutput:
     # >>> ch06: GPU timestamps of the step (None on CPU)
     gpu_events: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)   # start, end
     # <<< ch06
+    # >>> ch09: with MTP, next_tokens is each request's window [B, k+1], of which accept_lens [B] count
+    accept_lens: torch.Tensor | None = None
+    accept_lens_cpu: torch.Tensor | None = None
+    # <<< ch09
+
+    def token_lists(self) -> list[list[int]]:
+        """Each request's tokens of the step, on the host: one (from chapter 09, with MTP, its accepted window)."""
+        # >>> ch09: with MTP, each request's window, cut to its accept length
+        if self.accept_lens_cpu is not None:
+            return [row[:n] for row, n in zip(self.next_tokens_cpu.tolist(), self.accept_lens_cpu.tolist())]
+        # <<< ch09
+        return [[t] for t in self.next_tokens_cpu.tolist()]

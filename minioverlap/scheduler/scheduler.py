@@ -68,6 +68,12 @@ class Scheduler:
     def check_fits_pool(self, req: Req) -> None:
         """Refuse a request that could never fit the page pool, even alone."""
         pages, pool = self.pages_needed(req), self.runner.usable_pages
+        # >>> ch09: with MTP the window counts, and the message says so
+        if pages > pool and self.runner.mtp_steps:
+            raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens, and the "
+                             f"{self.runner.mtp_steps} KV slots a verify writes past the last one, need {pages} "
+                             f"pages; the pool has {pool}")
+        # <<< ch09
         if pages > pool:
             raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens need {pages} "
                              f"pages; the pool has {pool}")
@@ -188,13 +194,21 @@ class Scheduler:
         # >>> ch07 fix slot-reuse: slots and pages that waited for this step to be handled
         self.release_deferred(out.step)
         # <<< ch07
-        replies = [self.handle(req, token) for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist())]
+        replies = [self.handle_tokens(req, tokens, out) for req, tokens in zip(out.batch.reqs, out.token_lists())]
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
         replies = [r for r in replies if r is not None]
         # <<< ch07
         self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
         self.trace.record("reply", out.step, [r.uid for r in replies])
         return replies
+
+    def handle_tokens(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
+        """A request's tokens of one step: one, until chapter 09's speculative steps give several."""
+        # >>> ch09: with MTP, a window of accepted tokens
+        if out.accept_lens_cpu is not None and not req.finished:
+            return self.handle_window(req, tokens, out)
+        # <<< ch09
+        return self.handle(req, tokens[0])
 
     def handle(self, req: Req, token: int) -> Reply | None:
         """One request's token: append it, apply the stop rules (a request they end is freed), and
@@ -218,6 +232,19 @@ class Scheduler:
         # <<< exercise 04.2
         # <<< exercise 07.1
 
+    # >>> ch09: with MTP, a window of accepted tokens
+
+    def handle_window(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
+        """A request's tokens of one step. With MTP the step's target pass counts as one verify step, its
+        accepted tokens are committed (their KV is in the cache) and handled one by one: those after the
+        one that finishes the request change nothing. One reply carries them all."""
+        req.verify_steps += 1
+        if out.batch.mode is ForwardMode.TARGET_VERIFY:
+            req.seq_len += len(tokens)
+        replies = [r for r in (self.handle(req, t) for t in tokens) if r is not None]
+        return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason)
+    # <<< ch09
+
     # ---- admission, abort, frees
     def admit(self) -> list[Req]:
         """Admit waiting requests, in order, while a slot is free and the pages cover them."""
@@ -239,7 +266,10 @@ class Scheduler:
 
     def pages_needed(self, req: Req) -> int:
         """Pages for everything the request may hold: its prompt and all but its last new token."""
-        return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1)
+        # >>> ch09 replaces ch04: with MTP the last verify writes k positions past the last token
+        #| return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1)
+        return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1 + self.runner.mtp_steps)
+        # <<< ch09
 
     def find(self, uid: int) -> Req | None:
         return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
