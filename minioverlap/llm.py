@@ -53,7 +53,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]               # the generated tokens (EOS included if hit)
     text: str                          # the generated tokens decoded (special tokens skipped)
-    finish_reason: str | None          # "stop" (EOS or a stop token), "length" (max_tokens or the context), "abort"
+    finish_reason: str | None          # "stop" (EOS or a stop token), "length" (max_tokens or the context),
+                                       # "abort", or (chapter 07) "error": the request failed alone
     # >>> ch09: MTP
     verify_steps: int = 0              # target passes that produced the tokens (0 without MTP)
     # <<< ch09
@@ -64,8 +65,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny", **options) -> None:
         """Load the checkpoint and build the engine. `options` are the fields of EngineArgs
-        (minioverlap/config.py), each with its default there: device, dtype, max_seq_len; page_size and
-        num_pages (02); max_running (03); overlap (06); fence and hazard_check (08); mtp_steps (09)."""
+        (minioverlap/config.py), each with its default there and the chapter that adds it."""
         self.args = _engine_args(model, options)
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(self.args.device)

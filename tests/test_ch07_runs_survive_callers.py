@@ -134,3 +134,35 @@ def test_a_failing_step_frees_its_requests(llm, fresh_tokens, monkeypatch):
         llm.generate(PROMPTS, PARAMS)
     monkeypatch.undo()
     assert_as_good_as_new(llm, fresh_tokens)
+
+
+def test_a_request_whose_sampling_fails_fails_alone(llm, fresh_tokens, monkeypatch):
+    """An error the engine did not foresee in one request's sampling (planted: the request with seed 13
+    raises at its third token): that request ends with finish_reason "error", its reply naming the
+    error, and nothing after it; the other requests of the same stream get exactly the tokens they get
+    without it (seeded, so their draws do not depend on the batch); the engine is as good as new."""
+    from minioverlap.engine import sampler
+
+    real = sampler.sample_one
+
+    def planted(logits, req):
+        if req.params.seed == 13 and len(req.output_ids) == 2:
+            raise RuntimeError("planted failure")
+        return real(logits, req)
+
+    monkeypatch.setattr(sampler, "sample_one", planted)
+    others = [SamplingParams(max_tokens=8, temperature=0.8, seed=s) for s in (1, 2)]
+    alone = [o.token_ids for o in llm.generate(PROMPTS[:2], others)]
+    params = [others[0], SamplingParams(max_tokens=8, temperature=0.8, seed=13), others[1]]
+    replies = list(llm.stream([PROMPTS[0], PROMPTS[2], PROMPTS[1]], params))
+    failed = [r for r in replies if r.finish_reason == "error"]
+    assert len(failed) == 1 and failed[0].error == "RuntimeError: planted failure"
+    uid = failed[0].uid
+    assert sum(len(r.token_ids) for r in replies if r.uid == uid) == 2, "the tokens before the failure, none after"
+    assert replies.index(failed[0]) == max(i for i, r in enumerate(replies) if r.uid == uid), "nothing after it"
+    got = {}
+    for r in replies:
+        got.setdefault(r.uid, []).extend(r.token_ids)
+    assert [got[uid - 1], got[uid + 1]] == alone
+    monkeypatch.undo()
+    assert_as_good_as_new(llm, fresh_tokens)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from minioverlap.engine.request import Req
-from minioverlap.engine.sampler import adjusted_probs
+from minioverlap.engine.sampler import adjusted_probs, fail_alone
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,8 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Req]) -> tuple
     accept_lens = accept_greedy(drafts, tokens)
     for i, req in enumerate(reqs):
         if req.params.temperature > 0:
-            tokens[i], accept_lens[i] = accept_sampled(logits[i], drafts[i], req)
+            tokens[i], accept_lens[i] = fail_alone(req, accept_sampled, logits[i], drafts[i], req,
+                                                   default=(tokens[i], accept_lens[i]))
     return tokens, accept_lens
 
 

@@ -8,8 +8,6 @@ of each request through the page table:
     EXTEND (ragged prefill): one request at a time, its new queries against its whole sequence;
     DECODE (batched): all requests at once, one query each, against K/V gathered into [B, L] and
                       padded to the longest sequence; positions past a request's length are masked.
-    TARGET_VERIFY (chapter 09): as DECODE, with a window of W queries per request, each masked to the
-                      keys at or before its own position.
 """
 
 from __future__ import annotations

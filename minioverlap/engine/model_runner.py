@@ -58,8 +58,7 @@ class ModelRunner:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), and the two streams (06). From chapter 08 it also
         holds the guards and the hazard checker, which it gives to everything that records accesses.
-        Nothing above the runner touches a device table. From chapter 09 it may hold the MTP drafter
-        (init_drafter)."""
+        Nothing above the runner touches a device table."""
         c, weight = model.config, model.model.embed_tokens.weight
         self.model, self.device = model, weight.device
         self.allocator = PageAllocator(num_pages, page_size)

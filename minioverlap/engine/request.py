@@ -27,7 +27,10 @@ class Req:
     # >>> ch03: per-request sampling
     generator: torch.Generator | None = None   # its own random stream when params.seed is set
     # <<< ch03
-    finish_reason: str | None = None    # "stop", "length" or "abort" once it is done
+    finish_reason: str | None = None    # "stop", "length" or "abort" once it is done ("error": chapter 07)
+    # >>> ch07: a request whose step failed for it alone
+    error: str | None = None            # what failed; it ends with finish_reason "error" when its step is handled
+    # <<< ch07
     # >>> ch09: MTP: the passes that produced its tokens, the KV slots reserved ahead, the next drafts' inputs
     verify_steps: int = 0               # target passes that produced its tokens (0 without MTP)
     kv_len: int = 0                     # positions with a KV slot in req_to_token (with MTP beyond seq_len)

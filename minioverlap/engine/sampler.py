@@ -18,9 +18,14 @@ from minioverlap.sampling_params import SamplingParams
 def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """logits [B, vocab] (fp32) -> next tokens [B] (int64, on the logits' device)."""
     tokens = logits.argmax(dim=-1)
+    # >>> ch07 replaces ch03: a request whose sampling fails fails alone (its token, the argmax, is never used)
+    #| for i, req in enumerate(reqs):
+    #|     if req.params.temperature > 0:
+    #|         tokens[i] = sample_one(logits[i], req)
     for i, req in enumerate(reqs):
         if req.params.temperature > 0:
-            tokens[i] = sample_one(logits[i], req)
+            tokens[i] = fail_alone(req, sample_one, logits[i], req, default=tokens[i])
+    # <<< ch07
     return tokens
 
 
@@ -60,3 +65,15 @@ def make_generator(req: Req, device: torch.device) -> torch.Generator | None:
     if req.params.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(req.params.seed)
+# >>> ch07: a request whose sampling fails fails alone
+
+
+def fail_alone(req: Req, work, *args, default):
+    """work(*args), or, if it raises, `default`, with the failure kept on the request: the scheduler
+    ends that request alone, with finish_reason "error", when it handles the step. Its batch goes on."""
+    try:
+        return work(*args)
+    except Exception as e:
+        req.error = f"{type(e).__name__}: {e}"
+        return default
+# <<< ch07

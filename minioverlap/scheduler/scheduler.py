@@ -38,6 +38,9 @@ class Reply:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    # >>> ch07: why a request failed alone
+    error: str | None = None
+    # <<< ch07
 
 
 class IntegrityError(RuntimeError):
@@ -204,6 +207,10 @@ class Scheduler:
 
     def handle_tokens(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
         """A request's tokens of one step: one, until chapter 09's speculative steps give several."""
+        # >>> ch07: its step failed for it alone: it ends here, with its error
+        if req.error is not None and not req.finished:
+            return self.fail(req)
+        # <<< ch07
         # >>> ch09: with MTP, a window of accepted tokens
         if out.accept_lens_cpu is not None and not req.finished:
             return self.handle_window(req, tokens, out)
@@ -273,6 +280,15 @@ class Scheduler:
 
     def find(self, uid: int) -> Req | None:
         return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
+
+    # >>> ch07: a request that failed alone
+
+    def fail(self, req: Req) -> Reply:
+        """End a request whose step failed for it alone: freed as a finish is, its reply says why."""
+        req.finish_reason = "error"
+        self.free(req)
+        return Reply(req.uid, [], True, "error", req.error)
+    # <<< ch07
 
     def abort_now(self, req: Req) -> Reply:
         req.finish_reason = "abort"
