@@ -287,8 +287,11 @@ def _token_id(field: str, value: object) -> int:
 def _check_memory(llm: LLM, num_pages: int, page_size: int) -> None:
     """Refuse a KV pool and request tables larger than the device's memory, before torch tries to allocate
     them (and fails with a MemoryError or an OverflowError that names no argument)."""
-    c = llm.config
-    slot = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * llm.dtype.itemsize   # K and V of one token
+    c, layers = llm.config, llm.config.num_hidden_layers
+    # >>> ch09: the drafter's KV is one layer more
+    layers += llm.args.mtp_steps > 0
+    # <<< ch09
+    slot = layers * 2 * c.num_key_value_heads * c.head_dim * llm.dtype.itemsize   # K and V of one token
     kv = num_pages * page_size * slot
     tables = 2 * (llm.max_running + 1) * llm.max_seq_len * 4   # req_to_token and token_pool, int32
     have, where = _device_memory(llm.device)

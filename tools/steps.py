@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import importlib.util
 import io
 import json
 import os
@@ -44,6 +45,7 @@ NOT_STAGED = ("tests/tools", "practice/workspace")
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".mypy_cache", ".ruff_cache"}
 PROSE = (".md", ".rst", ".txt")  # what `diff --code` leaves out, with chapters/
 TEST_TIMEOUT = 300  # seconds per test in a stage, as [tool.pytest.ini_options] timeout in pyproject.toml
+WORKERS = 2  # pytest-xdist workers for a stage's tests (the CI machine has 2 cores)
 
 MARKER = re.compile(r"^(?P<indent>[ \t]*)# (?P<dir>>>>|<<<) (?P<body>.*?)\s*$")
 LOOKS_LIKE_MARKER = re.compile(r"^[ \t]*#\s*(>>>|<<<)")
@@ -650,19 +652,26 @@ def stage_env(stage: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(stage), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True,
-               timeout: float | None = None) -> subprocess.CompletedProcess:
+def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: float | None = None,
+               parallel: bool = False) -> subprocess.CompletedProcess:
     """Run pytest on `targets` in a stage, importing the stage's package, not an installed one.
 
     The run is hermetic: an ini file of its own stands in for any pytest config above the stage (a stage
     under the repository would otherwise take the repository's, `pythonpath` included). It holds only
-    pytest-timeout's per-test limit, so that a test that hangs fails with its name."""
-    stage = Path(stage).resolve()
+    pytest-timeout's per-test limit, so that a test that hangs fails with its name. `parallel`: one
+    pytest-xdist worker per core (at most WORKERS), each with one torch thread, a test file per worker
+    so that its module-scoped engines are built once; the tiny model's small operations gain more from
+    two processes than from two threads in one."""
+    stage, env = Path(stage).resolve(), stage_env(stage)
+    workers = min(WORKERS, os.cpu_count() or 1) if parallel and importlib.util.find_spec("xdist") else 1
+    spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+    if workers > 1:
+        env["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory(prefix="steps-ini-") as tmp:
         (ini := Path(tmp) / "pytest.ini").write_text(f"[pytest]\ntimeout = {TEST_TIMEOUT}\n")
         cmd = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-c", str(ini),
-               "--rootdir", str(stage), "--confcutdir", str(stage), *["-q"] * quiet]
-        return _run(cmd, stage, stage_env(stage), timeout)
+               "--rootdir", str(stage), "--confcutdir", str(stage), *spread, *["-q"] * quiet]
+        return _run(cmd, stage, env, timeout)
 
 
 def package_error(stage: Path, package: str) -> list[str]:
@@ -887,7 +896,7 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     stage = _build(book, n, tmp / f"ch{n:02d}")
     problems = package_error(stage, package) + stage_import_errors(stage, package, n)
     report.add(f"stage {n:02d} build", not problems, "\n".join(problems))
-    r = run_pytest(stage, ["tests"], timeout=timeout * 4)
+    r = run_pytest(stage, ["tests"], timeout=timeout * 4, parallel=True)
     report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
     broken = set(failed_tests(r))  # a bug that only these catch proves nothing
     if chapter.example is None:
