@@ -231,6 +231,11 @@ class ModelRunner:
             slots = self.allocator.kv_slots(req.pages, 0, p + n)
             self.hazards.access("kv_pool", slots[p:], "write", f"attention stores request {req.uid}'s new K and V")
             self.hazards.access("kv_pool", slots, "read", f"attention reads request {req.uid}'s K and V")
+            # >>> ch09: the drafter's K and V, at the same slots
+            if self.mtp is not None:
+                self.hazards.access("draft_kv_pool", slots[p:], "write", f"the drafter stores request {req.uid}'s K and V")
+                self.hazards.access("draft_kv_pool", slots, "read", f"the drafter reads request {req.uid}'s K and V")
+            # <<< ch09
     # <<< ch08
 
     # ---- request slots and pages
