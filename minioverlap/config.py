@@ -5,12 +5,13 @@ shared tables are a small config of their own, given to the runner and the sched
 
 from __future__ import annotations
 
-# >>> ch09: MTP
-import operator
-# <<< ch09
 from dataclasses import dataclass, fields
 
 import torch
+
+# >>> ch09: MTP: an integer check
+from minioverlap.sampling_params import _integer
+# <<< ch09
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,7 @@ MAX_MTP_STEPS = 8                      # drafts per step; beyond a few, almost n
 
 def check_mtp_steps(value: object, overlap: bool) -> None:
     """An integer (not a bool) in [0, MAX_MTP_STEPS], and until chapter 12 only in the normal loop."""
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or not 0 <= number <= MAX_MTP_STEPS:
-        raise ValueError(f"mtp_steps must be an integer in [0, {MAX_MTP_STEPS}], got {value!r}")
+    _integer("mtp_steps", value, f"an integer in [0, {MAX_MTP_STEPS}]", lambda k: 0 <= k <= MAX_MTP_STEPS)
     if value and overlap:
         raise ValueError(f"mtp_steps={value} runs in the normal loop: pass overlap=False as well "
                          "(speculative decoding in the overlap loop is chapter 12's)")

@@ -177,6 +177,14 @@ def is_mtp_tensor(name: str, config: Qwen3Config) -> bool:
             and config.num_hidden_layers <= int(parts[2]) < config.num_hidden_layers + config.num_nextn_predict_layers)
 
 
+def check_shapes(files: dict[str, Path], expected: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor has the shape the config implies."""
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                                  f"config.json implies {list(shape)}")
+
+
 def read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
     """Read the named tensors, opening each shard once."""
     tensors: dict[str, torch.Tensor] = {}
@@ -216,10 +224,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device) 
             raise CheckpointError(f"{files['lm_head.weight']}: config.json ties the head to the embedding, "
                                   "but tensor 'lm_head.weight' differs from 'model.embed_tokens.weight'")
         del expected["lm_head.weight"]
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, "
-                                  f"config.json implies {list(shape)}")
+    check_shapes(files, expected, tensors)
     state = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

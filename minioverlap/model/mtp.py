@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minioverlap.model.loader import CheckpointError, read_tensors, weight_files
+from minioverlap.model.loader import CheckpointError, check_shapes, read_tensors, weight_files
 from minioverlap.model.qwen3 import AttentionContext, DecoderLayer, Qwen3ForCausalLM, RMSNorm, rope_cos_sin
 
 
@@ -76,10 +76,7 @@ def load_mtp(model_dir: Path, target: Qwen3ForCausalLM) -> MTPLayer:
     if missing:
         raise CheckpointError(f"{model_dir}: MTP tensor {missing[0]!r} is missing")
     tensors = read_tensors(files, list(expected))
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {list(tensors[name].shape)}, "
-                                  f"config.json implies {list(shape)}")
+    check_shapes(files, expected, tensors)
     weight = target.model.embed_tokens.weight
     state = {name[len(prefix):]: t.to(device=weight.device, dtype=weight.dtype) for name, t in tensors.items()}
     mtp.load_state_dict(state, assign=True)
