@@ -66,20 +66,30 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.loop is not None:
         options["overlap"] = args.loop == "overlap"
     # <<< ch06
-    # >>> ch09: MTP drafts, in the normal loop until chapter 12
-    if args.mtp and args.loop == "overlap":
-        raise ValueError(f"--mtp {args.mtp} runs in the normal loop for now: drop --loop overlap "
-                         "(speculative decoding in the overlap loop is chapter 12's)")
-    if args.mtp:
-        options |= {"mtp_steps": args.mtp, "overlap": False}
+    # >>> ch09: MTP drafts
+    options |= mtp_options(args)
     # <<< ch09
     return options
-# >>> ch09: MTP: tokens per target pass
+# >>> ch09: MTP
+
+
+def mtp_options(args: argparse.Namespace) -> dict:
+    """--mtp K: the MTP layer drafts K tokens a step (chapters 09-11: in the normal loop only)."""
+    if not args.mtp:
+        return {}
+    # >>> ch12 replaces ch09: in either loop
+    #| if args.loop == "overlap":
+    #|     raise ValueError(f"--mtp {args.mtp} runs in the normal loop for now: drop --loop overlap "
+    #|                      "(speculative decoding in the overlap loop is chapter 12's)")
+    #| return {"mtp_steps": args.mtp, "overlap": False}
+    return {"mtp_steps": args.mtp}
+    # <<< ch12
 
 
 def accept_length(llm: LLM, tokens: list[int]) -> str:
-    """Tokens per target pass. One request: each step of the run is one target pass, the prefill too."""
-    steps = len({e.step for e in llm.trace})
+    """Tokens per target pass. One request: each step that replied to it is one target pass, the prefill
+    too (a step launched after its finish, which the overlap loop may run, replies nothing)."""
+    steps = sum(1 for e in llm.trace if e.kind == "reply" and e.uids)
     return f"accept length {len(tokens) / steps:.2f} ({len(tokens)} tokens in {steps} verify steps)"
 # <<< ch09
 # >>> ch04: the event trace
@@ -137,7 +147,7 @@ def event_table(loop: str, events: Trace) -> Table:
 #|     return llm.trace
 def run_traced(args: argparse.Namespace, **engine_args) -> tuple[Trace, int]:
     """Serve the prompt once in a fresh engine; its trace, and the host time (perf_counter_ns) the run began."""
-    llm = LLM(model=args.model, device=args.device, **engine_args)
+    llm = LLM(**(engine_options(args) | engine_args))
     start = time.perf_counter_ns()
     llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
     return llm.trace, start
@@ -175,11 +185,6 @@ def parser() -> argparse.ArgumentParser:
     # >>> ch06: both loops
     sub.choices["generate"].add_argument("--loop", choices=("normal", "overlap"),
                                          help="the scheduler loop that serves the request (default: the engine's)")
-    # >>> ch09: MTP drafts
-    sub.choices["generate"].add_argument("--mtp", type=int, metavar="K",
-                                         help="drafts per step with the model's MTP layer (speculative decoding); "
-                                              "implies the normal loop until chapter 12")
-    # <<< ch09
     trace_cmd = sub.choices["trace"]
     trace_cmd.add_argument("--loop", choices=("normal", "overlap"), default="normal",
                            help="the loop to trace (default: %(default)s)")
@@ -187,6 +192,11 @@ def parser() -> argparse.ArgumentParser:
     trace_cmd.add_argument("--chrome", type=Path, metavar="FILE",
                            help="also write Chrome trace-event JSON to FILE, for Perfetto (its folder is created)")
     # <<< ch06
+    # >>> ch09: MTP drafts
+    for name in ("generate", "trace"):
+        sub.choices[name].add_argument("--mtp", type=int, default=0, metavar="K",
+                                       help="drafts per step with the model's MTP layer (speculative decoding)")
+    # <<< ch09
     return top
 
 

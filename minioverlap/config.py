@@ -39,7 +39,7 @@ class EngineArgs:
     guards: Guards | None = None              # every guard on its own (chapter 08's demonstrations); None: the defaults
     # <<< ch08
     # >>> ch09: MTP speculative decoding
-    mtp_steps: int = 0                        # > 0: the MTP layer drafts that many tokens per step (normal loop)
+    mtp_steps: int = 0                        # > 0: the MTP layer drafts that many tokens per step
     # <<< ch09
 
     def __post_init__(self) -> None:
@@ -51,7 +51,7 @@ class EngineArgs:
             raise ValueError("fence=False and guards=Guards(...) both given: pass Guards(fence=False) alone")
         # <<< ch08
         # >>> ch09: MTP
-        check_mtp_steps(self.mtp_steps, self.overlap)
+        check_mtp_steps(self)
         # <<< ch09
     # >>> ch08: the guards in use
 
@@ -84,10 +84,12 @@ def check_bool(name: str, value: object) -> None:
 MAX_MTP_STEPS = 8                      # drafts per step; beyond a few, almost none are accepted
 
 
-def check_mtp_steps(value: object, overlap: bool) -> None:
-    """An integer (not a bool) in [0, MAX_MTP_STEPS], and until chapter 12 only in the normal loop."""
-    _integer("mtp_steps", value, f"an integer in [0, {MAX_MTP_STEPS}]", lambda k: 0 <= k <= MAX_MTP_STEPS)
-    if value and overlap:
-        raise ValueError(f"mtp_steps={value} runs in the normal loop: pass overlap=False as well "
-                         "(speculative decoding in the overlap loop is chapter 12's)")
+def check_mtp_steps(args: EngineArgs) -> None:
+    """mtp_steps: an integer (not a bool) in [0, MAX_MTP_STEPS] (chapters 09-11: with overlap=False only)."""
+    _integer("mtp_steps", args.mtp_steps, f"an integer in [0, {MAX_MTP_STEPS}]", lambda k: 0 <= k <= MAX_MTP_STEPS)
+    # >>> ch12 removes ch09: speculative decoding runs in the overlap loop too
+    #| if args.mtp_steps and args.overlap:
+    #|     raise ValueError(f"mtp_steps={args.mtp_steps} runs in the normal loop: pass overlap=False as well "
+    #|                      "(speculative decoding in the overlap loop is chapter 12's)")
+    # <<< ch12
 # <<< ch09

@@ -39,7 +39,8 @@ from minioverlap.scheduler.scheduler import Reply, Scheduler
 # >>> ch08: the hazard checker
 from minioverlap.device.hazard import HazardChecker
 # <<< ch08
-# >>> ch09: the MTP drafter
+# >>> ch09: the MTP drafter, and how far its windows reach
+from minioverlap.engine.forward_batch import window_slack
 from minioverlap.model.mtp import load_mtp
 # <<< ch09
 
@@ -111,9 +112,9 @@ class LLM:
 
     def default_pages(self, page_size: int) -> int:
         """Pages for every request slot to hold a whole context at once (page 0 is never handed out)."""
-        # >>> ch09 replaces ch02: with MTP, and a window of k slots past its last token
+        # >>> ch09 replaces ch02: with MTP, and the slots its verify windows reach past its last token
         #| tokens = self.max_seq_len
-        tokens = self.max_seq_len + self.args.mtp_steps
+        tokens = self.max_seq_len + window_slack(self.args.mtp_steps)
         # <<< ch09
         return self.max_running * -(-tokens // page_size) + 1
     # <<< ch02

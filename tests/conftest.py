@@ -137,6 +137,21 @@ def normal_loop() -> dict:
     return {"overlap": False} if "overlap" in EngineArgs.__dataclass_fields__ else {}
 
 
+def window_slack(k: int) -> int:
+    """KV positions past a request's last token that its verify windows may need, by hand: the k of its
+    last window (chapter 09); from chapter 11, where the host reserves two windows past its count, 2k+1."""
+    from minioverlap.engine import forward_batch
+
+    return 2 * k + 1 if hasattr(forward_batch, "reservation_end") else k
+
+
+def spec_overlap() -> bool:
+    """Whether the overlap loop runs MTP (chapter 12 on)."""
+    from minioverlap.engine.forward_batch import ForwardBatch
+
+    return "reach" in ForwardBatch.__dataclass_fields__
+
+
 @contextlib.contextmanager
 def no_hang(seconds: int):
     """Fail with TimeoutError instead of hanging, where the platform has SIGALRM (the main thread)."""

@@ -1,6 +1,7 @@
 """What the guards of chapter 08 do on a real GPU (needs CUDA).
 
-    python tools/bench_fence.py
+    python tools/bench_fence.py          # 1 and 2
+    python tools/bench_fence.py --mtp    # 3
 
 1. A race made visible. One request slot: A stops on its second token, B takes A's slot at once.
    A delay planted on the GPU before the LM head (torch.cuda._sleep) holds every step's sampler back
@@ -11,6 +12,13 @@
    event (the default), with its fallback (the schedule stream waits for the whole forward stream),
    with no fence, and each fence with blocking host-to-device copies on the schedule stream
    (torch.tensor(..., device=...), from pageable memory) in place of `to_device`.
+3. The read-done event with MTP (chapter 12). One request slot, mtp_steps=3, the overlap loop: A stops
+   on its second token while its wasted window is in flight, and B, whose prompt is longer than A's
+   length, takes A's slot at once, with its prompt written by the scheduler (chapter 08's prompt guard
+   off). The delay before every LM head holds the verify's window write back. With the event after the
+   draft extend (the default) the scheduler's prompt write waits for it; with chapter 08's placement
+   (build stage 12 with fix 'read-done-after-draft-extend' reverted and run this there) it does not,
+   and A's window can land on B's prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import torch
 
 import minioverlap.cache.req_to_token as req_to_token_module
 import minioverlap.engine.forward_batch as forward_batch_module
+import sys
+
 from minioverlap import LLM, SamplingParams
 from minioverlap.config import Guards
 from minioverlap.device.transfer import to_device
@@ -52,6 +62,25 @@ def handover(delay: bool, fence: bool = True, defer_release: bool = False,
     return [o.token_ids for o in outs]
 
 
+def mtp_handover(delay: bool, **guards: bool) -> list[list[int]]:
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, mtp_steps=3,
+              guards=Guards(**guards))
+    if delay:
+        plant_delay(llm, 20_000_000)
+    outs = llm.generate([PROMPT_A, PROMPT_B], [SamplingParams(max_tokens=2, ignore_eos=True),
+                                                SamplingParams(max_tokens=8, ignore_eos=True)])
+    return [o.token_ids for o in outs]
+
+
+def mtp_main() -> None:
+    reference = mtp_handover(False, fence=False, defer_release=True)
+    print("3. MTP: B's tokens with a ~10 ms delay before every LM head, against a run without delay:")
+    for label, guards in [("defaults", {}), ("prompt written on the schedule stream", {"prompt_on_forward_stream": False}),
+                          ("fence off", {"fence": False})]:
+        got = mtp_handover(True, **guards)
+        print(f"   {label:40s} B {'equal' if got[1] == reference[1] else 'DIFFERENT'}")
+
+
 def pageable(values: list[int], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
@@ -78,6 +107,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_fence.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if "--mtp" in sys.argv[1:]:
+        mtp_main()
+        return
     reference = handover(False, defer_release=True)
     print("1. B's tokens with a ~10 ms delay before every sampler, against a run without delay:")
     for label, guards in [("defaults", {}), ("fence off", {"fence": False}),

@@ -96,6 +96,7 @@ class Chapter:
     tests: list[str]
     fixes: list[Fix] = field(default_factory=list)
     bugs: list[Bug] = field(default_factory=list)
+    rechecks: list[Fix] = field(default_factory=list)  # an earlier chapter's fix, reverted in this stage
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,9 @@ def load_registry(root: Path) -> Registry:
             fixes = [Fix(f["name"], list(f["tests"])) for f in c.get("fix", [])]
             bugs = [Bug(b["name"], b["file"], b["pattern"], b["replacement"],
                         list(b.get("tests", c["tests"]))) for b in c.get("bug", [])]
+            rechecks = [Fix(f["name"], list(f["tests"])) for f in c.get("recheck", [])]
             chapters.append(Chapter(int(c["number"]), c["slug"], c["title"], c.get("example"),
-                                    list(c.get("tests", [])), fixes, bugs))
+                                    list(c.get("tests", [])), fixes, bugs, rechecks))
         except (KeyError, TypeError, ValueError) as e:
             line = headers[i] if i < len(headers) else 1
             raise MarkerError(f"{REGISTRY}:{line}: this chapter (or one of its fixes or bugs) lacks or "
@@ -520,9 +522,14 @@ def _outer(nodes: list[Block | str], outer: int, out: dict[Block, int]) -> None:
 
 def registry_errors(book: Book) -> list[str]:
     """Every registry test, fix test and example exists and arrives no later than its chapter."""
-    errors = []
+    errors, fixed_in = [], {f.name: c.number for c in book.registry.chapters for f in c.fixes}
     for c in book.registry.chapters:
-        named = [t for f in c.fixes for t in f.tests] + [t for b in c.bugs for t in b.tests]
+        named = [t for f in c.fixes + c.rechecks for t in f.tests] + [t for b in c.bugs for t in b.tests]
+        for f in c.rechecks:
+            if fixed_in.get(f.name, c.number) >= c.number:
+                line = book.registry.line_of(rf"name\s*=\s*[\"']{re.escape(f.name)}[\"']")
+                errors.append(f"{REGISTRY}:{line}: ch{c.number:02d} rechecks '{f.name}', which is no fix of an "
+                              "earlier chapter")
         for ref in dict.fromkeys([c.example] * bool(c.example) + c.tests + named):
             rel, where = ref.split("::")[0], f"{REGISTRY}:{book.registry.line_of(re.escape(ref))}"
             if rel not in book.files:
@@ -907,6 +914,9 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     for fix in chapter.fixes if proofs else []:
         problems = revert_proof(book, n, fix, stage, tmp, timeout)
         report.add(f"proof {fix.name}", not problems, "\n".join(problems))
+    for fix in chapter.rechecks if proofs else []:  # an earlier fix, reverted here: this chapter's tests catch it too
+        problems = revert_proof(book, n, fix, stage, tmp, timeout)
+        report.add(f"proof {fix.name} at stage {n:02d}", not problems, "\n".join(problems))
     for bug in chapter.bugs if proofs else []:
         report.add(f"bug {bug.name}", *bug_proof(bug, stage, tmp, timeout * 4, broken))
     return stage

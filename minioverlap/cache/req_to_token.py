@@ -95,11 +95,15 @@ class ReqToTokenPool:
     # <<< ch08
 
     # ---- a step's accesses: device index tensors, on the step's stream
-    def page_table(self, batch: ForwardBatch) -> torch.Tensor:
+    def page_table(self, batch: ForwardBatch,
+                   # >>> ch08: which pass reads it, for the checker's reports
+                   reader: str = "attention",
+                   # <<< ch08
+                   ) -> torch.Tensor:
         """Each request's row of req_to_token, [B, L] with L its longest sequence (past a request's own
-        length the slots are stale and masked). A step reads it once, before any layer runs."""
+        length the slots are stale and masked). A pass reads it once, before any layer runs."""
         # >>> ch08: the checker
-        self.record("req_to_token", batch.page_cells(), "read", "attention reads the page table")
+        self.record("req_to_token", batch.page_cells(), "read", f"{reader} reads the page table")
         # <<< ch08
         return self.req_to_token[batch.req_pool_indices, :batch.max_seq_len]
     # >>> ch03: the inputs are read from token_pool
@@ -161,5 +165,9 @@ class ReqToTokenPool:
 
 def window_cells(batch: ForwardBatch, start: int, end: int) -> list[tuple[int, int]]:
     """Positions L+start .. L+end-1 of each request's row, L its committed length."""
-    return [(row, p + j) for row, p in zip(batch.rows, batch.prefix_lens) for j in range(start, end)]
+    # >>> ch12 replaces ch09: L as far as the window may start: from the host's count to one window past it
+    #| return [(row, p + j) for row, p in zip(batch.rows, batch.prefix_lens) for j in range(start, end)]
+    W = batch.extend_lens[0]
+    return [(row, i) for row, p, e in zip(batch.rows, batch.prefix_lens, batch.ends()) for i in range(p + start, e - W + end)]
+    # <<< ch12
 # <<< ch09

@@ -63,19 +63,33 @@ class ForwardBatch:
     # >>> ch09: MTP: the drafter's inputs, each request's first draft [B] and MTP hidden state [B, hidden]
     draft_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
     # <<< ch09
+    # >>> ch12: where only the device knows a window's start, how far it may reach
+    reach: list[int] | None = None   # TARGET_VERIFY: each request's reserved end; its window lies below it
+    # <<< ch12
 
     @property
     def max_seq_len(self) -> int:
-        return max(p + n for p, n in zip(self.prefix_lens, self.extend_lens))
+        """The longest row the step reads: the page table's width."""
+        # >>> ch12 replaces ch02: a verify may reach as far as its requests reserved
+        #| return max(p + n for p, n in zip(self.prefix_lens, self.extend_lens))
+        return max(self.ends())
+        # <<< ch12
     # >>> ch08: the cells of the request tables a step touches, (row, position), for the checker
+
+    def ends(self) -> list[int]:
+        """Each request's end: the step runs its positions prefix_len .. end-1 and reads 0 .. end-1."""
+        # >>> ch12 replaces ch08: a verify's window starts where the relay says, at most one window past the host's count
+        #| return [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        return self.reach or [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        # <<< ch12
 
     def page_cells(self) -> list[tuple[int, int]]:
         """Every position of each request's row: what attention reads of req_to_token."""
-        return [(row, i) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens) for i in range(p + n)]
+        return [(row, i) for row, end in zip(self.rows, self.ends()) for i in range(end)]
 
     def new_cells(self) -> list[tuple[int, int]]:
         """The positions this step runs: its input tokens (and a prefill's prompt) in token_pool."""
-        return [(row, i) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens) for i in range(p, p + n)]
+        return [(row, i) for row, p, end in zip(self.rows, self.prefix_lens, self.ends()) for i in range(p, end)]
 
     def next_cells(self) -> list[tuple[int, int]]:
         """Each request's position seq_len: where the sampler writes its next input token."""
@@ -134,10 +148,35 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
 # >>> ch09: MTP: KV slots reserved for a window, and the verify step's batch
 
 
-def reserve_kv(req: Req, end: int, allocator: PageAllocator, tables: ReqToTokenPool) -> None:
-    """Give req a KV slot for every position below `end` (pages as needed, their slots into req_to_token),
-    without moving seq_len: which of them will hold accepted tokens the step decides."""
-    start = max(req.seq_len, req.kv_len)
+def window_slack(mtp_steps: int) -> int:
+    """KV positions a request may need past its prompt and all but its last new token (prompt +
+    max_tokens - 1 positions): none without MTP; with it, as far as its verify windows may reach."""
+    # >>> ch11 replaces ch09: two windows from a count of at most prompt + max_tokens - 2 reach 2k+1 past the last token
+    #| return mtp_steps
+    return 2 * mtp_steps + 1 if mtp_steps else 0
+    # <<< ch11
+# >>> ch11: two windows
+
+
+def reservation_end(seq_len: int, kv_len: int, window: int) -> int:
+    """Where a request's reserved positions must end before the host builds its next verify step, the
+    host counting seq_len committed positions and kv_len reserved. The device may be up to one window
+    ahead of the host's count (the step before, in flight, may accept a whole window), and the new
+    step writes one more window from wherever that left it: two windows past the count. A reservation
+    never shrinks."""
+    # >>> exercise 11.1: the reservation arithmetic
+    return max(kv_len, seq_len + 2 * window)
+    # <<< exercise 11.1
+# <<< ch11
+
+
+def reserve_kv(req: Req, window: int, allocator: PageAllocator, tables: ReqToTokenPool) -> None:
+    """Give req a KV slot for every position its next verify may write (pages as needed, their slots into
+    req_to_token), without moving seq_len: which of them will hold accepted tokens the step decides."""
+    # >>> ch11 replaces ch09: two windows past the host's count, which lags the device by up to one (chapter 12)
+    #| start, end = max(req.seq_len, req.kv_len), req.seq_len + window
+    start, end = max(req.seq_len, req.kv_len), reservation_end(req.seq_len, req.kv_len, window)
+    # <<< ch11
     req.pages += allocator.alloc(allocator.pages_for(end) - len(req.pages))
     if end > start:
         tables.write(req.row, start, allocator.kv_slots(req.pages, start, end))
@@ -150,7 +189,7 @@ def build_verify_batch(reqs: list[Req], window: int, allocator: PageAllocator, t
     bonus token and k drafts), all with KV slots reserved. seq_len moves only when the host learns how
     many were accepted."""
     for r in reqs:
-        reserve_kv(r, r.seq_len + window, allocator, tables)
+        reserve_kv(r, window, allocator, tables)
     prefix_lens, extend_lens, rows = [r.seq_len for r in reqs], [window] * len(reqs), [r.row for r in reqs]
 
     def tensor(values: list[int]) -> torch.Tensor:
@@ -166,6 +205,9 @@ def build_verify_batch(reqs: list[Req], window: int, allocator: PageAllocator, t
                          extend_lens, rows, [p for r in reqs for p in r.pages],
                          tensor([(i + 1) * window - 1 for i in range(len(reqs))]))
     batch.token_rows = to_device([r for r in rows for _ in range(window)], torch.int64, device)
+    # >>> ch12: the window may start up to one window past the host's count: the step may touch all it reserved
+    batch.reach = [r.kv_len for r in reqs]
+    # <<< ch12
     # >>> ch10 removes ch09: the relay gives them, on the device, when the step runs
     #| batch.draft_inputs = (torch.stack([r.draft[0] for r in reqs]), torch.stack([r.draft[1] for r in reqs]))
     # <<< ch10

@@ -33,7 +33,7 @@ from minioverlap.engine.sampler import make_generator, sample
 # <<< ch03
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 # >>> ch09: the MTP drafter
-from minioverlap.engine.forward_batch import build_verify_batch
+from minioverlap.engine.forward_batch import build_verify_batch, window_slack
 from minioverlap.engine.speculative import speculate
 from minioverlap.model.mtp import MTPLayer
 # <<< ch09
@@ -80,13 +80,13 @@ class ModelRunner:
     def init_drafter(self, mtp: MTPLayer, mtp_steps: int) -> None:
         """Draft mtp_steps tokens a step with the MTP layer. It gets its own KV pool, one layer at the same
         KV slots as the target's: it shares req_to_token and the allocator (as SGLang's draft worker
-        shares the target's pools). A window reaches k positions past a request's last token, so the
-        request tables, still empty, are made k columns wider."""
+        shares the target's pools). A request's windows reach past its last token (window_slack), so the
+        request tables, still empty, are made that much wider."""
         k_pool = self.kv_pool.k[0]
         self.mtp, self.mtp_steps = mtp, mtp_steps
         self.draft_kv_pool = KVPool(1, k_pool.shape[0], k_pool.shape[1], k_pool.shape[2], k_pool.dtype, self.device)
         rows, width = self.tables.req_to_token.shape
-        self.tables = ReqToTokenPool(rows - 1, width + mtp_steps, self.device, self.hazards)
+        self.tables = ReqToTokenPool(rows - 1, width + window_slack(mtp_steps), self.device, self.hazards)
         # >>> ch10: the relay, one row per request slot
         self.relay = Relay(rows, mtp.eh_proj.out_features, k_pool.dtype, self.device, self.hazards)
         # <<< ch10
@@ -136,7 +136,7 @@ class ModelRunner:
         # <<< ch08
         batch.input_ids = self.tables.read_tokens(batch)
         # >>> ch08: the step has read what it reads of the tables the scheduler writes: the fence opens here
-        batch.read_done = self.streams.record()
+        self.reads_done(batch)
         # <<< ch08
     # <<< ch03
     # >>> ch04: one step, launched
@@ -214,6 +214,14 @@ class ModelRunner:
     # <<< ch10
     # >>> ch08: the fence; the checker's step names; what a step does to the KV pool, for the checker
 
+    def reads_done(self, batch: ForwardBatch) -> None:
+        """The step has read what it reads of the tables the scheduler writes: record the event the fence waits for."""
+        # >>> ch12 fix read-done-after-draft-extend: with MTP the draft extend reads the page table later, and records it
+        if self.mtp is not None:
+            return
+        # <<< ch12
+        batch.read_done = self.streams.record()
+
     def fence(self, out: StepOutput) -> None:
         """What the scheduler queues from now on runs after the step's reads of the shared tables."""
         self.streams.fence(out.batch.read_done)
@@ -227,8 +235,8 @@ class ModelRunner:
         """Attention writes each new token's K and V, and reads every K and V of its request."""
         if not self.hazards:
             return
-        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            slots = self.allocator.kv_slots(req.pages, 0, p + n)
+        for req, p, end in zip(batch.reqs, batch.prefix_lens, batch.ends()):
+            slots = self.allocator.kv_slots(req.pages, 0, end)
             self.hazards.access("kv_pool", slots[p:], "write", f"attention stores request {req.uid}'s new K and V")
             self.hazards.access("kv_pool", slots, "read", f"attention reads request {req.uid}'s K and V")
             # >>> ch09: the drafter's K and V, at the same slots

@@ -53,7 +53,7 @@ class Req:
 
     @property
     def can_decode(self) -> bool:
-        """Whether another step may be launched for it. The CPU counts the tokens it has launched (its
-        device length), not those received: in the overlap loop it runs one step ahead of the results."""
+        """Whether another step may be launched for it, judged by the CPU's count of its length (seq_len),
+        not by the tokens received: in the overlap loop those lag one step behind the steps launched."""
         return self.seq_len - len(self.prompt_ids) + 1 < self.max_new_tokens
     # <<< ch04

@@ -57,7 +57,7 @@ def prefill(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention) -> tu
     # <<< ch10
     next_ids = batch.input_ids.roll(-1)                  # row p reads token p+1 ...
     next_ids[batch.last_index] = bonus                   # ... and the last row the bonus token
-    draft_extend(runner, batch, ctx, next_ids, hidden, batch.last_index)
+    draft_extend(runner, batch, next_ids, hidden, batch.last_index)
     return bonus[:, None], torch.ones_like(bonus)
 
 
@@ -74,7 +74,7 @@ def verify(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention) -> tup
     runner.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens - W + accept_lens)
     # <<< ch10
     last = torch.arange(B, device=tokens.device) * W + accept_lens - 1     # each request's last accepted row
-    draft_extend(runner, batch, ctx, tokens.flatten(), hidden, last)
+    draft_extend(runner, batch, tokens.flatten(), hidden, last)
     return tokens, accept_lens
 
 
@@ -97,10 +97,15 @@ def draft_row(batch: ForwardBatch, j: int) -> ForwardBatch:
                    out_cache_loc=batch.out_cache_loc.view(B, W)[:, j], seq_lens=batch.seq_lens - W + j + 1)
 
 
-def draft_extend(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention, next_ids: torch.Tensor,
-                 hidden: torch.Tensor, last: torch.Tensor) -> None:
+def draft_extend(runner: ModelRunner, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor,
+                 last: torch.Tensor) -> None:
     """The MTP layer over the step's rows (tokens p+1, the target's hidden states at p): its KV for
-    them, and from each request's `last` row the next first draft and its hidden state."""
-    out = runner.mtp(next_ids, hidden, batch.positions, PagedAttention(runner.draft_kv_pool, ctx.page_table, batch))
+    them, and from each request's `last` row the next first draft and its hidden state. Like SGLang's
+    draft extend, a pass of its own: it prepares its own attention context, reading the page table."""
+    ctx = PagedAttention(runner.draft_kv_pool, runner.tables.page_table(batch, "the draft extend"), batch)
+    # >>> ch12 fix read-done-after-draft-extend: with MTP this is the step's last read of a table the scheduler writes
+    batch.read_done = runner.streams.record()
+    # <<< ch12
+    out = runner.mtp(next_ids, hidden, batch.positions, ctx)
     first = runner.mtp.compute_logits(out[last]).argmax(dim=-1)
     runner.stash_drafts(batch, first, out[last])

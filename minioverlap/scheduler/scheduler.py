@@ -26,6 +26,9 @@ from minioverlap.config import Guards
 # <<< ch08
 from minioverlap.device.trace import Trace
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+# >>> ch09: how far the verify windows reach
+from minioverlap.engine.forward_batch import window_slack
+# <<< ch09
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
@@ -71,11 +74,11 @@ class Scheduler:
     def check_fits_pool(self, req: Req) -> None:
         """Refuse a request that could never fit the page pool, even alone."""
         pages, pool = self.pages_needed(req), self.runner.usable_pages
-        # >>> ch09: with MTP the window counts, and the message says so
+        # >>> ch09: with MTP the windows count, and the message says so
         if pages > pool and self.runner.mtp_steps:
             raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens, and the "
-                             f"{self.runner.mtp_steps} KV slots a verify writes past the last one, need {pages} "
-                             f"pages; the pool has {pool}")
+                             f"{window_slack(self.runner.mtp_steps)} KV slots that verify windows may reach past the "
+                             f"last one, need {pages} pages; the pool has {pool}")
         # <<< ch09
         if pages > pool:
             raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens need {pages} "
@@ -245,11 +248,13 @@ class Scheduler:
         """A request's tokens of one step. With MTP the step's target pass counts as one verify step, its
         accepted tokens are committed (their KV is in the cache) and handled one by one: those after the
         one that finishes the request change nothing. One reply carries them all."""
+        # >>> exercise 12.1: finishing inside a window
         req.verify_steps += 1
         if out.batch.mode is ForwardMode.TARGET_VERIFY:
             req.seq_len += len(tokens)
         replies = [r for r in (self.handle(req, t) for t in tokens) if r is not None]
         return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason)
+        # <<< exercise 12.1
     # <<< ch09
 
     # ---- admission, abort, frees
@@ -273,9 +278,9 @@ class Scheduler:
 
     def pages_needed(self, req: Req) -> int:
         """Pages for everything the request may hold: its prompt and all but its last new token."""
-        # >>> ch09 replaces ch04: with MTP the last verify writes k positions past the last token
+        # >>> ch09 replaces ch04: with MTP the verify windows reach past the last token
         #| return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1)
-        return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1 + self.runner.mtp_steps)
+        return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1 + window_slack(self.runner.mtp_steps))
         # <<< ch09
 
     def find(self, uid: int) -> Req | None:

@@ -315,6 +315,10 @@ STRUCTURAL = {
                                     "test_last_window_ends_at_the_last_item\"]\n\n"
                                     "[[chapter.fix]]\nname = \"ghost\"\ntests = []\n",
                                     "chapters/chapters.toml:36: fix 'ghost' of ch03 has no marker"),
+    "recheck of no earlier fix": ("chapters/chapters.toml", "test_last_window_ends_at_the_last_item\"]\n",
+                                  "test_last_window_ends_at_the_last_item\"]\n\n"
+                                  "[[chapter.recheck]]\nname = \"off-by-one\"\ntests = []\n",
+                                  "chapters/chapters.toml:32: ch03 rechecks 'off-by-one', which is no fix of an earlier chapter"),
     "marker fix not in registry": ("minibook/window.py", "fix off-by-one", "fix off-by-two",
                                    "minibook/window.py:9: fix 'off-by-two' is not in the registry"),
     "inner chapter smaller than outer": ("minibook/words.py", '    """`text` in capitals, with one exclamation mark."""\n',
