@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import signal
 from pathlib import Path
@@ -140,16 +141,14 @@ def normal_loop() -> dict:
 def window_slack(k: int) -> int:
     """KV positions past a request's last token that its verify windows may need, by hand: the k of its
     last window (chapter 09); from chapter 11, where the host reserves two windows past its count, 2k+1."""
-    from minioverlap.engine import forward_batch
-
+    forward_batch = importlib.import_module("minioverlap.engine.forward_batch")     # chapter 02 on
     return 2 * k + 1 if hasattr(forward_batch, "reservation_end") else k
 
 
 def spec_overlap() -> bool:
     """Whether the overlap loop runs MTP (chapter 12 on)."""
-    from minioverlap.engine.forward_batch import ForwardBatch
-
-    return "reach" in ForwardBatch.__dataclass_fields__
+    forward_batch = importlib.import_module("minioverlap.engine.forward_batch")     # chapter 02 on
+    return "reach" in forward_batch.ForwardBatch.__dataclass_fields__
 
 
 @contextlib.contextmanager

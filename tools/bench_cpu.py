@@ -3,6 +3,7 @@
     python tools/bench_cpu.py                       # 16 requests of 64 new tokens, 3 timed runs each
     python tools/bench_cpu.py --requests 8 --tokens 128 --repeats 5 --threads 1
     python tools/bench_cpu.py --mtp 3               # MTP (3 drafts per step) against plain, batch 1 and 16
+    python tools/bench_cpu.py --mtp 3 --device cuda --tokens 128   # the same on a GPU
 
 Each contender serves the same requests with the tiny model in fp32: N different code prompts, each
 generating exactly T new tokens (greedy; minioverlap with ignore_eos, transformers with min_new_tokens
@@ -16,12 +17,12 @@ core on a busy machine). It also prints the normal loop's mean host time per pha
 (llm.trace.phase_times_us()): on a CPU `launch` runs the whole step, as there is no device to queue
 the work on.
 
-With --mtp K it measures chapter 09 instead: minioverlap's normal loop with MTP speculative decoding
-(K drafts per step; MTP runs in the normal loop until chapter 12) against the same loop without, at
-batch 1 and at --requests, taking turns the same way, and prints tokens/s side by side with their ratio
-and the accept length (tokens per verify step); besides the ratio of the medians, the median of each
-round's own ratio, which a change in the machine's load between rounds does not skew. Greedy: both
-produce the same tokens (checked).
+With --mtp K it measures chapters 09-12 instead: minioverlap with MTP speculative decoding (K drafts
+per step) against the same loop without, in the normal loop and in the overlap loop (chapter 12), at
+batch 1 and at --requests, taking turns the same way, and prints tokens/s side by side with their
+ratio and the accept length (tokens per verify step); besides the ratio of the medians, the median of
+each round's own ratio, which a change in the machine's load between rounds does not skew. Greedy: all
+four produce the same tokens (checked).
 """
 
 from __future__ import annotations
@@ -89,35 +90,44 @@ def race(runs: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str,
     return wall, cpu
 
 
+LOOPS = {"normal": False, "overlap": True}
+
+
 def bench_mtp(args: argparse.Namespace) -> None:
-    """MTP with --mtp drafts per step against plain decoding, both in the normal loop, at batch 1 and --requests."""
+    """MTP with --mtp drafts per step against plain decoding, in both loops, at batch 1 and --requests."""
     k, rows = args.mtp, []
     for batch in sorted({1, args.requests}):
-        engines = {"plain": LLM(model="tiny", max_running=batch, overlap=False),
-                   "mtp": LLM(model="tiny", max_running=batch, overlap=False, mtp_steps=k)}
-        prompts = [engines["plain"].encode(p) for p in PROMPTS[:batch]]
+        engines = {f"{kind} {loop}": LLM(model="tiny", max_running=batch, overlap=overlap, mtp_steps=k * (kind == "mtp"),
+                                         device=args.device, dtype="float32")
+                   for loop, overlap in LOOPS.items() for kind in ("plain", "mtp")}
+        prompts = [engines["plain normal"].encode(p) for p in PROMPTS[:batch]]
         runs = {name: partial(run_minioverlap, llm, prompts, args.tokens) for name, llm in engines.items()}
-        plain_outs, mtp_outs = runs["plain"](), runs["mtp"]()
-        assert [o.token_ids for o in mtp_outs] == [o.token_ids for o in plain_outs], "greedy MTP changed the tokens"
+        outs = {name: run() for name, run in runs.items()}
+        assert len({str([o.token_ids for o in got]) for got in outs.values()}) == 1, "greedy MTP changed the tokens"
         wall, cpu = race(runs, args.repeats)
         tok_s = {name: batch * args.tokens / statistics.median(t) for name, t in wall.items()}
-        paired = statistics.median(p / m for p, m in zip(wall["plain"], wall["mtp"]))   # each round's own ratio
+        paired = {loop: statistics.median(p / m for p, m in zip(wall[f"plain {loop}"], wall[f"mtp {loop}"]))
+                  for loop in LOOPS}                                     # each round's own ratio
+        mtp_outs = outs["mtp normal"]
         rows.append({"batch": batch, "accept_length": batch * args.tokens / sum(o.verify_steps for o in mtp_outs),
-                     "tokens_per_s": tok_s, "ratio": tok_s["mtp"] / tok_s["plain"], "paired_ratio": paired,
+                     "tokens_per_s": tok_s, "paired_ratio": paired,
                      "wall_s": {name: [round(s, 3) for s in t] for name, t in wall.items()},
                      "cpu_s": {name: [round(s, 3) for s in t] for name, t in cpu.items()}})
-    print(f"MTP (k={k}) against plain decoding, normal loop, {args.tokens} new tokens per request, tiny model, fp32, "
-          f"{torch.get_num_threads()} torch threads, median of {args.repeats} runs each")
-    print(f"  {'batch':>5s} {'plain tok/s':>12s} {f'MTP k={k} tok/s':>15s} {'MTP / plain':>12s} {'paired':>7s} "
-          f"{'accept length':>14s}")
+    print(f"MTP (k={k}) against plain decoding, {args.tokens} new tokens per request, tiny model, fp32 on "
+          f"{args.device}, {torch.get_num_threads()} torch threads, median of {args.repeats} runs each")
+    print(f"  {'batch':>5s} {'loop':>8s} {'plain tok/s':>12s} {f'MTP k={k} tok/s':>15s} {'MTP / plain':>12s} "
+          f"{'paired':>7s} {'accept length':>14s}")
     for r in rows:
-        print(f"  {r['batch']:5d} {r['tokens_per_s']['plain']:12.0f} {r['tokens_per_s']['mtp']:15.0f} "
-              f"{r['ratio']:11.2f}x {r['paired_ratio']:6.2f}x {r['accept_length']:14.2f}")
+        for loop in LOOPS:
+            plain, mtp = r["tokens_per_s"][f"plain {loop}"], r["tokens_per_s"][f"mtp {loop}"]
+            print(f"  {r['batch']:5d} {loop:>8s} {plain:12.0f} {mtp:15.0f} {mtp / plain:11.2f}x "
+                  f"{r['paired_ratio'][loop]:6.2f}x {r['accept_length']:14.2f}")
     print("  MTP / plain: the ratio of the medians; paired: the median of each round's ratio (the two ran back to "
           "back, so a change in load cancels)")
     print(json.dumps({"mtp_steps": k, "tokens": args.tokens, "repeats": args.repeats,
                       "threads": torch.get_num_threads(),
-                      "batches": [{key: ({n: round(v, 1) for n, v in val.items()} if key == "tokens_per_s"
+                      "batches": [{key: ({n: round(v, 3) for n, v in val.items()} if isinstance(val, dict)
+                                         and key in ("tokens_per_s", "paired_ratio")
                                          else round(val, 3) if isinstance(val, float) else val)
                                    for key, val in r.items()} for r in rows]}))
 
@@ -130,11 +140,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--mtp", type=int, metavar="K",
                         help="instead: MTP with K drafts per step against plain decoding, batch 1 and --requests")
+    parser.add_argument("--device", default="cpu",
+                        help="with --mtp: where minioverlap runs (cuda: the same race on a GPU, fp32; default cpu)")
     args = parser.parse_args()
     if not 1 <= args.requests <= len(PROMPTS):
         parser.error(f"--requests must be in [1, {len(PROMPTS)}], got {args.requests}")
     if args.mtp is not None and args.mtp < 1:
         parser.error(f"--mtp must be at least 1, got {args.mtp}")
+    if args.device != "cpu" and not args.mtp:
+        parser.error("--device takes effect with --mtp only (the race with transformers runs on the CPU)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mtp:
