@@ -34,6 +34,7 @@ import time
 import tokenize
 import tomllib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -660,7 +661,7 @@ def stage_env(stage: Path) -> dict[str, str]:
 
 
 def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: float | None = None,
-               parallel: bool = False) -> subprocess.CompletedProcess:
+               parallel: bool = False, one_thread: bool = False) -> subprocess.CompletedProcess:
     """Run pytest on `targets` in a stage, importing the stage's package, not an installed one.
 
     The run is hermetic: an ini file of its own stands in for any pytest config above the stage (a stage
@@ -668,11 +669,11 @@ def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: 
     pytest-timeout's per-test limit, so that a test that hangs fails with its name. `parallel`: one
     pytest-xdist worker per core (at most WORKERS), each with one torch thread, a test file per worker
     so that its module-scoped engines are built once; the tiny model's small operations gain more from
-    two processes than from two threads in one."""
+    two processes than from two threads in one. `one_thread`: one torch thread (runs side by side)."""
     stage, env = Path(stage).resolve(), stage_env(stage)
     workers = min(WORKERS, os.cpu_count() or 1) if parallel and importlib.util.find_spec("xdist") else 1
     spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
-    if workers > 1:
+    if workers > 1 or one_thread:
         env["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory(prefix="steps-ini-") as tmp:
         (ini := Path(tmp) / "pytest.ini").write_text(f"[pytest]\ntimeout = {TEST_TIMEOUT}\n")
@@ -905,30 +906,35 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     report.add(f"stage {n:02d} build", not problems, "\n".join(problems))
     r = run_pytest(stage, ["tests"], timeout=timeout * 4, parallel=True)
     report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
-    broken = set(failed_tests(r))  # a bug that only these catch proves nothing
+    broken, green = set(failed_tests(r)), r.returncode == 0  # a bug that only the broken catch proves nothing
     if chapter.example is None:
         report.add(f"stage {n:02d} example", False, "the registry names no example")
     else:
         r = _run([sys.executable, chapter.example], stage, stage_env(stage), timeout)
         report.add(f"stage {n:02d} example", r.returncode == 0, "" if r.returncode == 0 else tail(r))
     for fix in chapter.fixes if proofs else []:
-        problems = revert_proof(book, n, fix, stage, tmp, timeout)
+        problems = revert_proof(book, n, fix, stage, tmp, timeout, green)
         report.add(f"proof {fix.name}", not problems, "\n".join(problems))
     for fix in chapter.rechecks if proofs else []:  # an earlier fix, reverted here: this chapter's tests catch it too
-        problems = revert_proof(book, n, fix, stage, tmp, timeout)
+        problems = revert_proof(book, n, fix, stage, tmp, timeout, green)
         report.add(f"proof {fix.name} at stage {n:02d}", not problems, "\n".join(problems))
-    for bug in chapter.bugs if proofs else []:
-        report.add(f"bug {bug.name}", *bug_proof(bug, stage, tmp, timeout * 4, broken))
+    with ThreadPoolExecutor(WORKERS) as pool:  # one bug per core, each pytest on one torch thread
+        caught = pool.map(lambda bug: bug_proof(bug, stage, tmp, timeout * 4, broken), chapter.bugs if proofs else [])
+        for bug, result in zip(chapter.bugs, caught):
+            report.add(f"bug {bug.name}", *result)
     return stage
 
 
-def revert_proof(book: Book, n: int, fix: Fix, stage: Path, tmp: Path, timeout: float) -> list[str]:
+def revert_proof(book: Book, n: int, fix: Fix, stage: Path, tmp: Path, timeout: float,
+                 green: bool = False) -> list[str]:
     """Each listed test passes in the stage and FAILS with the fix reverted (pytest exit 1: the tests
-    ran and broke; a reverted stage that cannot collect the test proves nothing)."""
+    ran and broke; a reverted stage that cannot collect the test proves nothing). `green`: the stage's
+    tests all passed just now, so they are not run again in it."""
     reverted = _build(book, n, tmp / f"ch{n:02d}-revert-{fix.name}", revert=fix.name)
     problems = []
     for test in fix.tests:
-        good, bad = (run_pytest(s, [test], timeout=timeout) for s in (stage, reverted))
+        good = subprocess.CompletedProcess([], 0) if green else run_pytest(stage, [test], timeout=timeout)
+        bad = run_pytest(reverted, [test], timeout=timeout)
         if good.returncode != 0:
             problems.append(f"{test} does not pass with the fix in place:\n{tail(good, 10)}")
         if bad.returncode != 1:
@@ -953,7 +959,7 @@ def bug_proof(bug: Bug, stage: Path, tmp: Path, timeout: float,
     shutil.copytree(stage, planted)
     path = planted / bug.file
     path.write_text(path.read_text().replace(bug.pattern, bug.replacement))
-    r = run_pytest(planted, [*bug.tests, "-x"], timeout=timeout)
+    r = run_pytest(planted, [*bug.tests, "-x"], timeout=timeout, one_thread=True)
     if r.returncode == 1:
         by = (failed_tests(r) or ["the tests"])[0]
         if by in broken:
