@@ -41,6 +41,9 @@ class EngineArgs:
     # >>> ch09: MTP speculative decoding
     mtp_steps: int = 0                        # > 0: the MTP layer drafts that many tokens per step
     # <<< ch09
+    # >>> ch13: CUDA graphs
+    cuda_graphs: bool | None = None           # the decode step as one graph replay; None: on for CUDA, off for CPU
+    # <<< ch13
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -53,6 +56,9 @@ class EngineArgs:
         # >>> ch09: MTP
         check_mtp_steps(self)
         # <<< ch09
+        # >>> ch13: CUDA graphs
+        check_cuda_graphs(self)
+        # <<< ch13
     # >>> ch08: the guards in use
 
     def resolved_guards(self) -> Guards:
@@ -93,3 +99,18 @@ def check_mtp_steps(args: EngineArgs) -> None:
     #|                      "(speculative decoding in the overlap loop is chapter 12's)")
     # <<< ch12
 # <<< ch09
+# >>> ch13: CUDA graphs
+
+
+def check_cuda_graphs(args: EngineArgs) -> None:
+    """cuda_graphs: None (on for CUDA, off for CPU), True or False; True on a device without graphs is refused."""
+    if args.cuda_graphs is not None:
+        check_bool("cuda_graphs", args.cuda_graphs)
+    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={args.device!r} "
+                         "(leave cuda_graphs=None: off for a CPU)")
+
+
+def use_cuda_graphs(args: EngineArgs) -> bool:
+    return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda")
+# <<< ch13

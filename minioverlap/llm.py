@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from minioverlap.config import EngineArgs
+# >>> ch13: CUDA graphs
+from minioverlap.config import use_cuda_graphs
+# <<< ch13
 # >>> ch02 removes ch01: chapter 01's path: one prompt at a time, a contiguous cache
 #| from minioverlap.reference.contiguous import serve
 # <<< ch02
@@ -86,6 +89,10 @@ class LLM:
         if self.args.mtp_steps:
             self.runner.init_drafter(load_mtp(self.model_dir, self.model), self.args.mtp_steps)
         # <<< ch09
+        # >>> ch13: the decode step captured as CUDA graphs (on for CUDA unless cuda_graphs=False; a speculative step runs eagerly)
+        if use_cuda_graphs(self.args) and not self.args.mtp_steps:
+            self.runner.init_graphs(self.max_running)
+        # <<< ch13
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04

@@ -41,6 +41,9 @@ from minioverlap.model.mtp import MTPLayer
 from minioverlap.engine.forward_batch import resolve_window
 from minioverlap.engine.relay import Relay
 # <<< ch10
+# >>> ch13: CUDA graphs
+from minioverlap.engine.cuda_graph import DecodeGraphs
+# <<< ch13
 
 
 class ModelRunner:
@@ -49,6 +52,9 @@ class ModelRunner:
     mtp: MTPLayer | None = None
     mtp_steps: int = 0
     # <<< ch09
+    # >>> ch13: no graphs unless init_graphs captures them
+    graphs: DecodeGraphs | None = None
+    # <<< ch13
 
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int, page_size: int, max_running: int, max_seq_len: int,
                  # >>> ch08: the guards, and the checker, given to everything that records accesses
@@ -107,6 +113,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch; returns the logits [B, vocab] of each request's last token."""
+        # >>> ch13: a decode step is one graph replay
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.replay(batch)
+        # <<< ch13
         hidden = self.hidden_states(batch, self.attention(batch))
         return self.model.compute_logits(hidden[batch.last_index])
 
@@ -212,6 +222,21 @@ class ModelRunner:
         resolve_window(batch, seq_lens, self.tables)
         batch.draft_inputs = (draft, hidden)
     # <<< ch10
+    # >>> ch13: CUDA graphs
+
+    def init_graphs(self, max_running: int) -> None:
+        """Capture the decode step's forward once per batch-size bucket (a CUDA device only)."""
+        self.graphs = DecodeGraphs(self, max_running)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode step as one graph replay: its shared reads as in an eager step (recorded, and the
+        fence's event after them), into the graphs' static buffers, then the replay -> logits [B, vocab]."""
+        ctx = self.attention(batch)
+        self.read_inputs(batch)
+        logits = self.graphs.replay(batch, ctx.page_table)
+        self.record_kv_accesses(batch)
+        return logits
+    # <<< ch13
     # >>> ch08: the fence; the checker's step names; what a step does to the KV pool, for the checker
 
     def reads_done(self, batch: ForwardBatch) -> None:

@@ -1,0 +1,131 @@
+"""Chapter 13: the decode step as one CUDA graph replay. On a CPU: the buckets, the padding of a batch into
+its bucket, and the switch (None: on for CUDA, off for CPU; True on a CPU refused). On a GPU: graph tokens
+equal eager tokens in both loops, a batch of 5 replays the bucket of 8, the checker stays silent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import no_hang, run_example
+from minioverlap import LLM, SamplingParams
+from minioverlap.engine.cuda_graph import StaticInputs, bucket_for, graph_buckets
+from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PROMPTS = ["def fibonacci(n):", "class Stack:", [5, 6, 7], "import os\n", "    for i in range(10):",
+           "def is_prime(n):", [9] * 12]
+
+
+# ---- on any machine
+
+def test_the_buckets_are_1_2_4_8_then_every_16_and_max_running():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(5) == [1, 2, 4, 5]
+    assert graph_buckets(16) == [1, 2, 4, 8, 16]
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
+    buckets = graph_buckets(64)
+    assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 8, 9, 17, 33, 49, 64)] == [1, 2, 4, 8, 8, 16, 32, 48, 64, 64]
+
+
+def decode_batch(tokens, positions, slots, seq_lens) -> ForwardBatch:
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)         # noqa: E731
+    B = len(tokens)
+    return ForwardBatch(ForwardMode.DECODE, [None] * B, t(tokens), t(positions), t(slots), t(range(B)), t(seq_lens),
+                       [0] * B, [1] * B, list(range(B)), [], t(range(B)))
+
+
+def test_a_batch_of_5_is_padded_to_the_bucket_of_8_with_rows_that_touch_only_slot_0():
+    """Five rows are copied in; rows 5..7 read token 0 at position 0 with one key visible, write their K
+    and V to KV slot 0, and their page table holds KV slot 0 only. Columns past a row's page table keep
+    whatever they held (masked: past its length)."""
+    inputs = StaticInputs(8, 12, 50, torch.int32, torch.device("cpu"))
+    inputs.input_ids.fill_(7), inputs.positions.fill_(7), inputs.out_cache_loc.fill_(7), inputs.seq_lens.fill_(7)
+    inputs.page_table.fill_(7)
+    batch = decode_batch([11, 12, 13, 14, 15], [3, 4, 5, 6, 7], [21, 22, 23, 24, 25], [4, 5, 6, 7, 8])
+    page_table = torch.arange(1, 41, dtype=torch.int32).view(5, 8)
+    b = bucket_for(5, graph_buckets(8))
+    inputs.load(batch, page_table, b)
+    assert b == 8
+    assert inputs.input_ids.tolist() == [11, 12, 13, 14, 15, 0, 0, 0]
+    assert inputs.positions.tolist() == [3, 4, 5, 6, 7, 0, 0, 0]
+    assert inputs.out_cache_loc.tolist() == [21, 22, 23, 24, 25, 0, 0, 0]
+    assert inputs.seq_lens.tolist() == [4, 5, 6, 7, 8, 1, 1, 1]
+    assert inputs.page_table[:5, :8].tolist() == page_table.tolist()
+    assert inputs.page_table[5:].tolist() == [[0] * 12] * 3
+    assert inputs.page_table[:5, 8:].tolist() == [[7] * 4] * 5
+
+
+def test_a_smaller_batch_later_pads_over_what_a_larger_one_left():
+    """Buffers are shared by every bucket: after a batch of 8, a batch of 3 in the bucket of 4 pads row 3
+    afresh, and rows 4..7 (outside its bucket) are not read by its graph."""
+    inputs = StaticInputs(8, 4, 10, torch.int32, torch.device("cpu"))
+    inputs.load(decode_batch([1] * 8, [2] * 8, [3] * 8, [4] * 8), torch.full((8, 4), 9, dtype=torch.int32), 8)
+    inputs.load(decode_batch([5, 5, 5], [6, 6, 6], [7, 7, 7], [8, 8, 8]), torch.full((3, 2), 2, dtype=torch.int32), 4)
+    assert inputs.input_ids[:4].tolist() == [5, 5, 5, 0] and inputs.out_cache_loc[:4].tolist() == [7, 7, 7, 0]
+    assert inputs.seq_lens[:4].tolist() == [8, 8, 8, 1] and inputs.page_table[3].tolist() == [0, 0, 0, 0]
+
+
+def test_cuda_graphs_none_is_off_on_a_cpu_and_true_is_refused():
+    assert LLM(model="tiny").runner.graphs is None
+    assert LLM(model="tiny", cuda_graphs=False).runner.graphs is None
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device, got device='cpu'"):
+        LLM(model="tiny", cuda_graphs=True)
+    for bad in ("yes", 1, 0):
+        with pytest.raises(ValueError, match=r"cuda_graphs must be True or False"):
+            LLM(model="tiny", cuda_graphs=bad)
+
+
+def test_the_example_shows_the_sizes_and_the_padding_of_a_batch_of_5():
+    out = " ".join(run_example("examples/ch13_cuda_graphs.py").split())
+    assert "max_running=16 captured sizes [1, 2, 4, 8, 16]" in out
+    assert "max_running=64 captured sizes [1, 2, 4, 8, 16, 32, 48, 64]" in out
+    assert "5 -> 8, 9 -> 16, 17 -> 32, 50 -> 64" in out
+    assert "a batch of 5 runs in the bucket of 8: rows 5-7 are padding (token 0, position 0, KV slot 0, one key)" in out
+    assert out.count("│ 0 │ 0 │ 0 │ 1 │ [0, 0, 0, 0] │ padding │") == 3
+    if torch.cuda.is_available():
+        assert "replayed the bucket of [8]; tokens equal to the eager step's" in out
+
+
+# ---- on a GPU
+
+def run(overlap: bool, graphs: bool, **options) -> list[list[int]]:
+    llm = LLM(model="tiny", device="cuda", dtype="float32", overlap=overlap, cuda_graphs=graphs, max_running=8, **options)
+    with no_hang(120):
+        outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n) for n in (40, 3, 17, 33, 9, 25, 12)])
+    llm.check_integrity()
+    return [o.token_ids for o in outs]
+
+
+@GPU
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graph_tokens_equal_eager_tokens(overlap):
+    """Seven prompts, max_tokens 3..40, 8 request slots (so batches of 7, 6, ... replay padded buckets):
+    the same tokens with and without graphs, in either loop; with MTP too (its steps run eagerly)."""
+    assert run(overlap, True) == run(overlap, False)
+    assert run(overlap, True, mtp_steps=3) == run(overlap, False)
+
+
+@GPU
+def test_a_batch_of_5_replays_the_bucket_of_8():
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=8)
+    assert llm.runner.graphs is not None and sorted(llm.runner.graphs.graphs) == [1, 2, 4, 8]
+    replayed = []
+    for b, graph in llm.runner.graphs.graphs.items():
+        graph.replay = (lambda g, b: lambda: replayed.append(b) or g())(graph.replay, b)
+    out = llm.generate(PROMPTS[:5], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert replayed == [8, 8, 8] and all(len(o.token_ids) == 4 for o in out)
+
+
+@GPU
+def test_the_checker_is_silent_with_graphs():
+    """With graphs the step's shared reads still happen (and are recorded) before the replay, and the
+    fence's event after them: the checker is silent over a run that recycles request slots."""
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=2, hazard_check=True)
+    with no_hang(120):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=12))
+    llm.check_integrity()
