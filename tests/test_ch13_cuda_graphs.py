@@ -71,13 +71,13 @@ def test_a_smaller_batch_later_pads_over_what_a_larger_one_left():
 
 
 def test_cuda_graphs_none_is_off_on_a_cpu_and_true_is_refused():
-    assert LLM(model="tiny").runner.graphs is None
-    assert LLM(model="tiny", cuda_graphs=False).runner.graphs is None
+    assert LLM(model="tiny", device="cpu").runner.graphs is None
+    assert LLM(model="tiny", device="cpu", cuda_graphs=False).runner.graphs is None
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device, got device='cpu'"):
-        LLM(model="tiny", cuda_graphs=True)
+        LLM(model="tiny", device="cpu", cuda_graphs=True)
     for bad in ("yes", 1, 0):
         with pytest.raises(ValueError, match=r"cuda_graphs must be True or False"):
-            LLM(model="tiny", cuda_graphs=bad)
+            LLM(model="tiny", device="cpu", cuda_graphs=bad)
 
 
 def test_the_example_shows_the_sizes_and_the_padding_of_a_batch_of_5():
