@@ -164,7 +164,7 @@ def test_the_command_line_samples_with_the_options_it_is_given():
     run = subprocess.run([sys.executable, "-m", "minioverlap", "generate", "def f(x):", *args],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    out = LLM(model="tiny").generate(["def f(x):"], SamplingParams(**options))[0]
+    out = LLM(model="tiny", device="cpu").generate(["def f(x):"], SamplingParams(**options))[0]   # where the CLI runs
     assert "".join(run.stdout.split()).startswith("".join(("def f(x):" + out.text).split()))   # wrapping aside
     assert f"({len(out.token_ids)} tokens, finish_reason={out.finish_reason})" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "minioverlap", "generate", "x", "--top-k", "0"],

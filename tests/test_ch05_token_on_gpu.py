@@ -24,6 +24,8 @@ def test_step_n_plus_1_launches_before_the_host_has_token_n():
     last = sched.launch(sched.schedule())                    # step 1: the prefill
     for _ in range(5):
         out = sched.launch(sched.schedule())                  # step N+1, with step N unhandled ...
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()                          # the test's own look at the device tensors
         assert out.batch.input_ids.tolist() == last.next_tokens.tolist(), "... runs on step N's tokens"
         sched.wait(last)
         sched.process(last)                                   # ... and only then step N's tokens arrive
