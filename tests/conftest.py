@@ -138,6 +138,17 @@ def normal_loop() -> dict:
     return {"overlap": False} if "overlap" in EngineArgs.__dataclass_fields__ else {}
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on a small
+    machine shared with other work, torch's thread pool spins and a batch of hundreds of requests can
+    take ten times as long. Restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def window_slack(k: int) -> int:
     """KV positions past a request's last token that its verify windows may need, by hand: the k of its
     last window (chapter 09); from chapter 11, where the host reserves two windows past its count, 2k+1."""

@@ -36,14 +36,7 @@ SEQ_LEN = 128                                    # the engines' context: small t
 
 # ---- engines shared by the module, and helpers
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a small machine shared with other work, torch's thread pool spins and a
-    batch of hundreds of requests can take ten times as long. Restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from conftest import no_hang
 from minioverlap import LLM, SamplingParams
@@ -19,12 +18,7 @@ from test_ch07_one_step_late import Plan, run_clients
 SCHEDULES = 100
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")

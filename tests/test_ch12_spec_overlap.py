@@ -6,7 +6,6 @@ four bugs, re-examined with windows; tokens equal the normal loop's and plain gr
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import no_hang
 from minioverlap import LLM, SamplingParams
@@ -18,13 +17,7 @@ K = 3
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", [5, 6, 7], "import os\n", "    for i in range(10):"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: small batches on a small machine shared with other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one torch thread for the module
 
 
 def plain_tokens(prompts, params) -> list[list[int]]:
