@@ -42,7 +42,7 @@ class EngineArgs:
     mtp_steps: int = 0                        # > 0: the MTP layer drafts that many tokens per step
     # <<< ch09
     # >>> ch13: CUDA graphs
-    cuda_graphs: bool | None = None           # the decode step as one graph replay; None: on for CUDA, off for CPU
+    cuda_graphs: bool | None = None           # the decode (or verify) step as graph replays; None: on for CUDA, off for CPU
     # <<< ch13
 
     def __post_init__(self) -> None:

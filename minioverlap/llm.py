@@ -89,8 +89,8 @@ class LLM:
         if self.args.mtp_steps:
             self.runner.init_drafter(load_mtp(self.model_dir, self.model), self.args.mtp_steps)
         # <<< ch09
-        # >>> ch13: the decode step captured as CUDA graphs (on for CUDA unless cuda_graphs=False; a speculative step runs eagerly)
-        if use_cuda_graphs(self.args) and not self.args.mtp_steps:
+        # >>> ch13: the decode (or verify) step captured as CUDA graphs (on for CUDA unless cuda_graphs=False)
+        if use_cuda_graphs(self.args):
             self.runner.init_graphs(self.max_running)
         # <<< ch13
         # >>> ch04: the scheduler

@@ -1,14 +1,19 @@
-"""Chapter 13: the decode step as one CUDA graph replay. On a CPU: the buckets, the padding of a batch into
-its bucket, and the switch (None: on for CUDA, off for CPU; True on a CPU refused). On a GPU: graph tokens
-equal eager tokens in both loops, a batch of 5 replays the bucket of 8, the checker stays silent."""
+"""Chapter 13: the decode step as one CUDA graph replay, and with MTP the verify step as three. On a CPU:
+the buckets, the padding of a batch into its bucket, the switch (None: on for CUDA, off for CPU; True on
+a CPU refused), and, with a stand-in for a graph, everything around the replays: tokens equal to eager
+ones in both loops with and without MTP, a verify batch padded to its bucket, the checker silent. On a
+GPU: the same with real graphs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from types import SimpleNamespace
+
 from conftest import no_hang, run_example
 from minioverlap import LLM, SamplingParams
+from minioverlap.engine import cuda_graph
 from minioverlap.engine.cuda_graph import StaticInputs, bucket_for, graph_buckets
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -91,6 +96,81 @@ def test_the_example_shows_the_sizes_and_the_padding_of_a_batch_of_5():
         assert "replayed the bucket of [8]; tokens equal to the eager step's" in out
 
 
+# ---- on any machine, with a stand-in for a graph
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """A stand-in for torch.cuda.CUDAGraph on a CPU: `capture` keeps the function it would record and
+    `replay` runs it again, over the same static buffers, which is what a replay computes (without the
+    launches it saves). The buckets, the padding and the eager glue between replays run as on a GPU."""
+    monkeypatch.setattr(cuda_graph, "capture", lambda device, forward, pool=None:
+                        SimpleNamespace(replay=forward, pool=lambda: None))
+
+    def engine(**options) -> LLM:
+        llm = LLM(model="tiny", device="cpu", **options)
+        llm.runner.init_graphs(llm.max_running)
+        return llm
+    return engine
+
+
+MIXED = [SamplingParams(max_tokens=n) for n in (40, 3, 17, 33, 9)] + [
+    SamplingParams(max_tokens=25, temperature=0.8, top_p=0.9, seed=3), SamplingParams(max_tokens=12, temperature=1.2, seed=4)]
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    with no_hang(120):
+        outs = llm.generate(PROMPTS, MIXED)
+    llm.check_integrity()
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mtp_steps", [0, 1, 3])
+def test_with_a_stand_in_graph_tokens_equal_eager_tokens(stand_in, overlap, mtp_steps):
+    """Seven prompts (two sampled, seeded), max_tokens 3..40, 8 request slots: batches of 7, 6, ... run in
+    padded buckets, plain or as verify steps (draft, target and draft extend replays with the accept rule
+    between them), and give exactly the eager engine's tokens."""
+    graphed = stand_in(overlap=overlap, mtp_steps=mtp_steps, max_running=8)
+    assert type(graphed.runner.graphs).__name__ == ("SpecGraphs" if mtp_steps else "DecodeGraphs")
+    assert tokens(graphed) == tokens(LLM(model="tiny", device="cpu", overlap=overlap, mtp_steps=mtp_steps, max_running=8))
+
+
+def test_a_verify_step_of_3_is_padded_to_the_bucket_of_4(stand_in):
+    """Three requests in the bucket of 4 (k = 2, W = 3 rows each): the fourth request's rows read token 0 at
+    position 0, write KV slot 0, see a page table of zeros, draft from token 0, and its last row is its own
+    first row, whatever the buffers held before (filled with 7 here)."""
+    llm = stand_in(mtp_steps=2, max_running=4)
+    graphs, W = llm.runner.graphs, 3
+    sizes = []
+    draft = graphs.draft
+    graphs.draft = lambda batch, page_table: sizes.append(len(batch.reqs)) or draft(batch, page_table)
+    for buffer in (graphs.input_ids, graphs.next_ids, graphs.positions, graphs.out_cache_loc, graphs.seq_lens,
+                   graphs.page_table, graphs.draft_token, graphs.draft_hidden, graphs.last):
+        buffer.fill_(7)
+    with no_hang(60):
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert sizes[0] == 3, "the first verify step holds all three (later ones, in smaller buckets, leave row 3 alone)"
+    pad = slice(3 * W, 4 * W)
+    for buffer in (graphs.input_ids, graphs.next_ids, graphs.positions, graphs.out_cache_loc):
+        assert buffer[pad].tolist() == [0] * W
+    assert graphs.seq_lens[3].item() == W and graphs.page_table[3].tolist() == [0] * graphs.page_table.shape[1]
+    assert graphs.draft_token[3].item() == 0 and graphs.draft_hidden[3].abs().sum().item() == 0
+    assert graphs.last[:4].tolist()[3] == 3 * W
+
+
+def test_the_checker_is_silent_with_graphs_and_mtp_on_a_recycled_slot(stand_in):
+    """One request slot, the overlap loop, MTP, graphs: B takes A's slot while A's wasted window is in flight.
+    The draft extend still reads the page table itself, before its replay, and the fence's event still
+    follows that read (chapter 12), so the checker is silent and the tokens are the eager engine's."""
+    prompts, params = [[5, 6, 7, 8, 9, 10, 11, 12], list(range(20, 31))], SamplingParams(max_tokens=5, ignore_eos=True)
+    llm = stand_in(overlap=True, mtp_steps=3, max_running=1, page_size=4, hazard_check=True)
+    with no_hang(60):
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.check_integrity()
+    eager = LLM(model="tiny", device="cpu", overlap=True, mtp_steps=3, max_running=1, page_size=4)
+    assert got == [o.token_ids for o in eager.generate(prompts, params)]
+
+
 # ---- on a GPU
 
 def run(overlap: bool, graphs: bool, **options) -> list[list[int]]:
@@ -105,9 +185,10 @@ def run(overlap: bool, graphs: bool, **options) -> list[list[int]]:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_graph_tokens_equal_eager_tokens(overlap):
     """Seven prompts, max_tokens 3..40, 8 request slots (so batches of 7, 6, ... replay padded buckets):
-    the same tokens with and without graphs, in either loop; with MTP too (its steps run eagerly)."""
+    the same tokens with and without graphs, in either loop; with MTP (three graphs a verify step) too."""
     assert run(overlap, True) == run(overlap, False)
     assert run(overlap, True, mtp_steps=3) == run(overlap, False)
+    assert run(overlap, True, mtp_steps=1) == run(overlap, False, mtp_steps=1)
 
 
 @GPU
@@ -122,10 +203,26 @@ def test_a_batch_of_5_replays_the_bucket_of_8():
 
 
 @GPU
+def test_with_mtp_a_batch_of_5_replays_the_three_graphs_of_the_bucket_of_8():
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=8, mtp_steps=2, overlap=False)
+    graphs = llm.runner.graphs
+    assert type(graphs).__name__ == "SpecGraphs" and sorted(graphs.graphs) == [1, 2, 4, 8]
+    replayed = []
+    for b, passes in graphs.graphs.items():
+        for name, graph in zip(("draft", "target", "draft extend"), passes):
+            graph.replay = (lambda g, b, name: lambda: replayed.append((b, name)) or g())(graph.replay, b, name)
+    llm.generate(PROMPTS[:5], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert replayed == [], "a prefill runs eagerly"
+    llm.generate(PROMPTS[:5], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert replayed == [(8, "draft"), (8, "target"), (8, "draft extend")]
+
+
+@GPU
 def test_the_checker_is_silent_with_graphs():
     """With graphs the step's shared reads still happen (and are recorded) before the replay, and the
     fence's event after them: the checker is silent over a run that recycles request slots."""
-    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=2, hazard_check=True)
-    with no_hang(120):
-        llm.generate(PROMPTS, SamplingParams(max_tokens=12))
-    llm.check_integrity()
+    for mtp_steps in (0, 3):
+        llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=2, hazard_check=True, mtp_steps=mtp_steps)
+        with no_hang(120):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=12))
+        llm.check_integrity()

@@ -2,13 +2,15 @@
 
     python tools/bench_graphs.py                        # batch 1 and 16, 128 new tokens, median of 3
     python tools/bench_graphs.py --batches 1 4 16 --tokens 64 --repeats 5
+    python tools/bench_graphs.py --mtp 3                # the same four engines with MTP, k = 3, beside them
 
 Four engines of the tiny model in fp32 serve the same code prompts, each generating exactly --tokens new
 tokens (greedy, ignore_eos): the normal and the overlap loop, each with the decode step launched kernel
 by kernel (cuda_graphs=False) and as one graph replay (cuda_graphs=True). They are warmed up once and
 take turns for --repeats timed runs. Per engine: tokens/s, its ratio to the normal loop without graphs,
 milliseconds per step, and the median GPU gap between consecutive steps (chapter 06's timestamps: the
-time the GPU waited for the host).
+time the GPU waited for the host). With --mtp K, four more engines draft K tokens a step (chapter 09),
+with the verify step eager or as three graph replays (chapter 13); every ratio is to the first engine.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import
            "class Node:\n    def __init__(self, value):"]
 
 
-def race(engines: dict[tuple[bool, bool], LLM], prompts: list[str], params: SamplingParams,
+def race(engines: dict[tuple[int, bool, bool], LLM], prompts: list[str], params: SamplingParams,
          repeats: int) -> tuple[dict, dict]:
     """Wall seconds and median GPU gaps (ms) of each engine, the engines taking turns; round 0 warms up."""
     times, gaps = {key: [] for key in engines}, {key: [] for key in engines}
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="concurrent requests (default 1 16)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each, taking turns")
+    parser.add_argument("--mtp", type=int, default=0, metavar="K", help="also race engines drafting K tokens a step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_graphs.py needs a CUDA GPU")
@@ -55,16 +58,16 @@ def main() -> None:
     for batch in args.batches:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-        engines = {(overlap, graphs): LLM(device="cuda", dtype="float32", overlap=overlap, cuda_graphs=graphs,
-                                          max_running=max(batch, 1))
-                   for graphs in (False, True) for overlap in (False, True)}
+        engines = {(k, overlap, graphs): LLM(device="cuda", dtype="float32", overlap=overlap, cuda_graphs=graphs,
+                                             max_running=max(batch, 1), mtp_steps=k)
+                   for k in sorted({0, args.mtp}) for graphs in (False, True) for overlap in (False, True)}
         times, gaps = race(engines, prompts, params, args.repeats)
-        base = statistics.median(times[(False, False)])
-        for (overlap, graphs), seconds in times.items():
+        base = statistics.median(times[(0, False, False)])
+        for (k, overlap, graphs), seconds in times.items():
             m = statistics.median(seconds)
-            print(f"batch {batch:3d} {'overlap' if overlap else 'normal':7s} graphs {'on ' if graphs else 'off'}: "
-                  f"{batch * args.tokens / m:8.0f} tok/s ({base / m:5.2f}x)  {m / args.tokens * 1e3:6.2f} ms/step  "
-                  f"median GPU gap {statistics.median(gaps[(overlap, graphs)]):.3f} ms")
+            print(f"batch {batch:3d} {f'MTP {k}' if k else 'plain':6s} {'overlap' if overlap else 'normal':7s} "
+                  f"graphs {'on ' if graphs else 'off'}: {batch * args.tokens / m:8.0f} tok/s ({base / m:5.2f}x)  "
+                  f"{m / args.tokens * 1e3:6.2f} ms/token  median GPU gap {statistics.median(gaps[(k, overlap, graphs)]):.3f} ms")
 
 
 if __name__ == "__main__":

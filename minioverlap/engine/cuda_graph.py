@@ -1,4 +1,4 @@
-# >>> ch13 file: CUDA graphs for the decode step
+# >>> ch13 file: CUDA graphs for the decode step and the verify step
 """CUDA graphs: a decode step's forward pass as one replay instead of hundreds of kernel launches.
 
 A graph records the kernels of one forward pass, with their arguments, once (capture); a replay
@@ -15,21 +15,36 @@ logits are dropped. The step's shared reads (the page table and the input tokens
 before the replay, into the static buffers, so the fence's event is recorded before the replay, as
 SGLang's runners do when the graph itself reads no shared table. Sampling stays outside the graph:
 each request's generator and parameters run eagerly on the replay's logits (nano-vllm and SGLang
-also sample after the replay). Only the plain decode step is captured: prefills change shape every
-step, and a speculative step (chapter 09) runs eagerly.
+also sample after the replay). Prefills change shape every step and run eagerly. With MTP the decode
+step is a verify step, captured as three graphs per bucket with the accept rule between them (SpecGraphs).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from minioverlap.engine.attention import PagedAttention
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+from minioverlap.engine.speculative import draft, extend_rows
 
 if TYPE_CHECKING:
     from minioverlap.engine.model_runner import ModelRunner
+
+
+def capture(device: torch.device, forward: Callable[[], None], pool=None) -> torch.cuda.CUDAGraph:
+    """Run `forward` once to warm up (on a side stream, as PyTorch asks), then record it as a graph
+    whose memory comes from `pool` (shared by every graph of the engine: they never run at once)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        forward()
+    return graph
 
 
 def graph_buckets(max_running: int) -> list[int]:
@@ -86,26 +101,17 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for b in reversed(self.buckets):                 # the largest first: the others reuse its memory
-            self.graphs[b] = self.capture(runner, b, pool)
+            self.graphs[b] = capture(runner.device, self.forward(runner, b), pool)
             pool = self.graphs[b].pool()
 
-    def capture(self, runner: ModelRunner, b: int, pool) -> torch.cuda.CUDAGraph:
-        """Run the bucket's forward once to warm up (on a side stream, as PyTorch asks), then record it."""
+    def forward(self, runner: ModelRunner, b: int) -> Callable[[], None]:
+        """What bucket b's graph records: the model over its static batch, logits into the buffer."""
         batch, logits = self.inputs.batch(b), self.inputs.logits
         ctx = PagedAttention(runner.kv_pool, self.inputs.page_table[:b], batch)
 
         def forward() -> None:
             logits[:b] = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, ctx))
-
-        side = torch.cuda.Stream(runner.device)
-        side.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            forward()
-        torch.cuda.current_stream(runner.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            forward()
-        return graph
+        return forward
 
     def fits(self, batch: ForwardBatch) -> bool:
         """A plain decode step (at most max_running rows, the largest bucket)."""
@@ -117,3 +123,111 @@ class DecodeGraphs:
         self.inputs.load(batch, page_table, b)
         self.graphs[b].replay()
         return self.inputs.logits[:len(batch.reqs)]
+
+
+def pad_into(static: torch.Tensor, value: torch.Tensor, size: int, pad: float | torch.Tensor) -> None:
+    """value into the first rows of a static buffer, `pad` into the rest of its first `size` rows."""
+    static[:len(value)] = value
+    static[len(value):size] = pad
+
+
+class SpecGraphs:
+    """With MTP (chapter 09) a decode step is a verify step: three passes, one graph each per bucket.
+
+        draft          the k-1 MTP passes           buffers: the window's layout, the relay's d1 and hidden
+        target         the target over the windows  + the window's tokens, read from token_pool
+        draft extend   the MTP layer over them      + the accepted tokens and the last accepted rows
+
+    Between the replays the step's glue runs eagerly, exactly as in an eager step: the drafts into
+    token_pool, the verify's inputs read back, the LM head and the accept rule (a sampled request draws
+    from its own generator), the window into token_pool, the relay; and the draft extend reads the page
+    table itself, before its replay, so the fence's event still follows the step's last shared read
+    (chapter 12). A bucket of b requests holds b*W window rows (W = k+1); a padded request's W rows read
+    token 0 at position 0 and write KV slot 0, as a padded decode row does."""
+
+    def __init__(self, runner: ModelRunner, max_running: int) -> None:
+        self.buckets, self.window = graph_buckets(max_running), runner.mtp_steps + 1
+        n, W, dev = self.buckets[-1], self.window, runner.device
+        tables, hidden = runner.tables.req_to_token, runner.relay.hidden
+        self.input_ids, self.next_ids, self.positions, self.out_cache_loc = (
+            torch.zeros(n * W, dtype=torch.int64, device=dev) for _ in range(4))
+        self.seq_lens = torch.full((n,), W, dtype=torch.int64, device=dev)
+        self.page_table = torch.zeros(n, tables.shape[1], dtype=tables.dtype, device=dev)
+        self.draft_token, self.first = torch.zeros(n, dtype=torch.int64, device=dev), torch.zeros_like(self.seq_lens)
+        self.draft_hidden, self.next_hidden = torch.zeros_like(hidden[:n]), torch.zeros_like(hidden[:n])
+        self.pad_last = torch.arange(n, device=dev) * W          # a padded request's last row: its first
+        self.last = self.pad_last.clone()
+        self.drafts = torch.zeros(n, W - 1, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(n * W, hidden.shape[1], dtype=hidden.dtype, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ...]] = {}
+        self.bucket, pool = 0, None
+        for b in reversed(self.buckets):
+            self.graphs[b] = tuple(capture(dev, forward, pool) for forward in self.passes(runner, b))
+            pool = self.graphs[b][0].pool()
+
+    def batch(self, b: int) -> ForwardBatch:
+        """A verify batch of b requests over the buffers: what bucket b's graphs read."""
+        W, rows = self.window, torch.arange(b, device=self.seq_lens.device)
+        batch = ForwardBatch(ForwardMode.TARGET_VERIFY, [None] * b, self.input_ids[:b * W], self.positions[:b * W],
+                             self.out_cache_loc[:b * W], rows, self.seq_lens[:b], [0] * b, [W] * b, [0] * b, [],
+                             self.pad_last[:b] + W - 1)
+        batch.draft_inputs = (self.draft_token[:b], self.draft_hidden[:b])
+        return batch
+
+    def passes(self, runner: ModelRunner, b: int) -> tuple[Callable[[], None], ...]:
+        """What bucket b's three graphs record: chapter 09's passes over the buffers."""
+        batch, W = self.batch(b), self.window
+        ctx = PagedAttention(runner.kv_pool, self.page_table[:b], batch)
+
+        def draft_pass() -> None:
+            self.drafts[:b] = draft(runner, batch, ctx, W - 1)
+
+        def target_pass() -> None:
+            self.hidden[:b * W] = runner.model(batch.input_ids, batch.positions, ctx)
+
+        def extend_pass() -> None:
+            self.first[:b], self.next_hidden[:b] = extend_rows(runner, batch, self.next_ids[:b * W],
+                                                               self.hidden[:b * W], self.last[:b], self.page_table[:b])
+        return draft_pass, target_pass, extend_pass
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """A verify step (at most max_running requests, the largest bucket)."""
+        return batch.mode is ForwardMode.TARGET_VERIFY
+
+    def draft(self, batch: ForwardBatch, page_table: torch.Tensor) -> torch.Tensor:
+        """The step's layout into the buffers, padded to its bucket, and the draft passes -> drafts [B, k]."""
+        B, W = len(batch.reqs), self.window
+        self.bucket = b = bucket_for(B, self.buckets)
+        token, hidden = batch.draft_inputs
+        for static, value, size, pad in ((self.positions, batch.positions, b * W, 0),
+                                         (self.out_cache_loc, batch.out_cache_loc, b * W, 0),
+                                         (self.seq_lens, batch.seq_lens, b, W),
+                                         (self.draft_token, token, b, 0), (self.draft_hidden, hidden, b, 0)):
+            pad_into(static, value, size, pad)
+        self.load_page_table(page_table)
+        self.graphs[b][0].replay()
+        return self.drafts[:B]
+
+    def target(self, batch: ForwardBatch) -> torch.Tensor:
+        """The window's tokens into the buffers and the target's pass -> hidden states [B*W, hidden]."""
+        b, T = self.bucket, len(batch.input_ids)
+        pad_into(self.input_ids, batch.input_ids, b * self.window, 0)
+        self.graphs[b][1].replay()
+        return self.hidden[:T]
+
+    def draft_extend(self, batch: ForwardBatch, next_ids: torch.Tensor, last: torch.Tensor,
+                     page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accepted tokens, each request's last accepted row and the page table the draft extend
+        read, into the buffers; the draft extend -> next first drafts [B] and their hidden states."""
+        b, B = self.bucket, len(batch.reqs)
+        pad_into(self.next_ids, next_ids, b * self.window, 0)
+        pad_into(self.last, last, b, self.pad_last[B:b])
+        self.load_page_table(page_table)
+        self.graphs[b][2].replay()
+        return self.first[:B], self.next_hidden[:B]
+
+    def load_page_table(self, page_table: torch.Tensor) -> None:
+        """The step's rows of req_to_token into the buffer; padded rows point at KV slot 0 only."""
+        (B, L), b = page_table.shape, self.bucket
+        self.page_table[:B, :L] = page_table
+        self.page_table[B:b] = 0

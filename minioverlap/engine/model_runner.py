@@ -42,7 +42,7 @@ from minioverlap.engine.forward_batch import resolve_window
 from minioverlap.engine.relay import Relay
 # <<< ch10
 # >>> ch13: CUDA graphs
-from minioverlap.engine.cuda_graph import DecodeGraphs
+from minioverlap.engine.cuda_graph import DecodeGraphs, SpecGraphs
 # <<< ch13
 
 
@@ -53,7 +53,7 @@ class ModelRunner:
     mtp_steps: int = 0
     # <<< ch09
     # >>> ch13: no graphs unless init_graphs captures them
-    graphs: DecodeGraphs | None = None
+    graphs: DecodeGraphs | SpecGraphs | None = None
     # <<< ch13
 
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int, page_size: int, max_running: int, max_seq_len: int,
@@ -114,7 +114,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch; returns the logits [B, vocab] of each request's last token."""
         # >>> ch13: a decode step is one graph replay
-        if self.graphs is not None and self.graphs.fits(batch):
+        if self.graphed(batch):
             return self.replay(batch)
         # <<< ch13
         hidden = self.hidden_states(batch, self.attention(batch))
@@ -225,8 +225,13 @@ class ModelRunner:
     # >>> ch13: CUDA graphs
 
     def init_graphs(self, max_running: int) -> None:
-        """Capture the decode step's forward once per batch-size bucket (a CUDA device only)."""
-        self.graphs = DecodeGraphs(self, max_running)
+        """Capture, once per batch-size bucket, the decode step's forward, or with MTP the verify step's
+        three passes (a CUDA device only)."""
+        self.graphs = SpecGraphs(self, max_running) if self.mtp is not None else DecodeGraphs(self, max_running)
+
+    def graphed(self, batch: ForwardBatch) -> bool:
+        """The step runs as replays: graphs were captured for its kind of step."""
+        return self.graphs is not None and self.graphs.fits(batch)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """A decode step as one graph replay: its shared reads as in an eager step (recorded, and the
@@ -236,6 +241,14 @@ class ModelRunner:
         logits = self.graphs.replay(batch, ctx.page_table)
         self.record_kv_accesses(batch)
         return logits
+
+    def replay_target(self, batch: ForwardBatch) -> torch.Tensor:
+        """A verify's target pass as one replay: its input tokens read as in an eager step (recorded), then
+        the replay over the buffers the draft loaded -> hidden states [B*W, hidden]."""
+        self.read_inputs(batch)
+        hidden = self.graphs.target(batch)
+        self.record_kv_accesses(batch)
+        return hidden
     # <<< ch13
     # >>> ch08: the fence; the checker's step names; what a step does to the KV pool, for the checker
 

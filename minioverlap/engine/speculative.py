@@ -64,9 +64,15 @@ def prefill(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention) -> tu
 def verify(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft k tokens, verify them with one target pass, accept, and draft-extend over the window."""
     B, W = len(batch.reqs), batch.extend_lens[0]
-    drafts = draft(runner, batch, ctx, W - 1)
+    # >>> ch13 replaces ch09: with graphs, the draft passes and the target's pass are one replay each
+    #| drafts = draft(runner, batch, ctx, W - 1)
+    #| runner.tables.write_drafts(batch, drafts)            # the window b, d1..dk in token_pool: the verify's input
+    #| hidden = runner.hidden_states(batch, ctx)
+    graphs = runner.graphs
+    drafts = graphs.draft(batch, ctx.page_table) if graphs else draft(runner, batch, ctx, W - 1)
     runner.tables.write_drafts(batch, drafts)            # the window b, d1..dk in token_pool: the verify's input
-    hidden = runner.hidden_states(batch, ctx)
+    hidden = runner.replay_target(batch) if graphs else runner.hidden_states(batch, ctx)
+    # <<< ch13
     logits = runner.model.compute_logits(hidden).view(B, W, -1)
     tokens, accept_lens = accept(logits, drafts, batch.reqs)
     runner.tables.write_window(batch, tokens)            # the accepted tokens, and the next bonus at L + accept_len
@@ -102,10 +108,20 @@ def draft_extend(runner: ModelRunner, batch: ForwardBatch, next_ids: torch.Tenso
     """The MTP layer over the step's rows (tokens p+1, the target's hidden states at p): its KV for
     them, and from each request's `last` row the next first draft and its hidden state. Like SGLang's
     draft extend, a pass of its own: it prepares its own attention context, reading the page table."""
-    ctx = PagedAttention(runner.draft_kv_pool, runner.tables.page_table(batch, "the draft extend"), batch)
+    page_table = runner.tables.page_table(batch, "the draft extend")
     # >>> ch12 fix read-done-after-draft-extend: with MTP this is the step's last read of a table the scheduler writes
     batch.read_done = runner.streams.record()
     # <<< ch12
-    out = runner.mtp(next_ids, hidden, batch.positions, ctx)
-    first = runner.mtp.compute_logits(out[last]).argmax(dim=-1)
-    runner.stash_drafts(batch, first, out[last])
+    # >>> ch13: with graphs, a verify's draft extend is one replay
+    if runner.graphs is not None and runner.graphs.fits(batch):
+        runner.stash_drafts(batch, *runner.graphs.draft_extend(batch, next_ids, last, page_table))
+        return
+    # <<< ch13
+    runner.stash_drafts(batch, *extend_rows(runner, batch, next_ids, hidden, last, page_table))
+
+
+def extend_rows(runner: ModelRunner, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor,
+                last: torch.Tensor, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP layer over the rows -> from each request's `last` row its next first draft [B] and hidden state."""
+    out = runner.mtp(next_ids, hidden, batch.positions, PagedAttention(runner.draft_kv_pool, page_table, batch))[last]
+    return runner.mtp.compute_logits(out).argmax(dim=-1), out
