@@ -873,8 +873,11 @@ def cmd_check(root: Path, chapters: str | None, proofs: bool, timeout: float) ->
     count = sum(len(list(blocks(s.nodes))) for s in book.sources.values())
     report.add("markers", True, f"{len(book.sources)} files, {count} blocks")
     with tempfile.TemporaryDirectory(prefix="steps-check-") as tmp:
-        stages = {n: check_stage(book, n, Path(tmp), report, proofs, timeout)
-                  for n in parse_chapters(chapters, book.registry.numbers)}
+        stages: dict[int, Path] = {}
+        for n in parse_chapters(chapters, book.registry.numbers):
+            earlier = [c for c in book.registry.numbers if c < n]
+            stages[n] = check_stage(book, n, Path(tmp), report, proofs, timeout,
+                                    stages.get(earlier[-1]) if earlier else None)
         for rel, n in chapter_markdowns(book):
             if n in stages:
                 errors, _ = check_markdown(book.root / rel, stages[n], rel)
@@ -898,14 +901,18 @@ def parse_chapters(spec: str | None, numbers: list[int]) -> list[int]:
     return [n for n in numbers if not spec or n in wanted]
 
 
-def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, timeout: float) -> Path:
-    """Build stage n, then check its imports, its cumulative tests, its example, its revert proofs."""
+def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, timeout: float,
+                previous: Path | None = None) -> Path:
+    """Build stage n, then check its imports, its cumulative tests, its example, its revert proofs.
+    `previous`: the stage before, checked in this run; where n changes no code, only n's new tests run."""
     chapter, package = book.registry.chapter(n), book.registry.package
     stage = _build(book, n, tmp / f"ch{n:02d}")
     problems = package_error(stage, package) + stage_import_errors(stage, package, n)
     report.add(f"stage {n:02d} build", not problems, "\n".join(problems))
-    r = run_pytest(stage, ["tests"], timeout=timeout * 4, parallel=True)
-    report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
+    targets = new_tests(stage, previous)
+    r = run_pytest(stage, ["tests"] if targets is None else targets, timeout=timeout * 4, parallel=True)
+    detail = "" if targets is None else f" (the code of stage {n - 1:02d}: only {', '.join(targets)})"
+    report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25) + detail)
     broken, green = set(failed_tests(r)), r.returncode == 0  # a bug that only the broken catch proves nothing
     if chapter.example is None:
         report.add(f"stage {n:02d} example", False, "the registry names no example")
@@ -923,6 +930,23 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
         for bug, result in zip(chapter.bugs, caught):
             report.add(f"bug {bug.name}", *result)
     return stage
+
+
+def new_tests(stage: Path, previous: Path | None) -> list[str] | None:
+    """Where a stage differs from the one before only in prose and in test modules, the test modules that
+    are new or changed: the rest ran, on the same code, in the stage before. None (run every test) when
+    there is no stage before in this run or any other file differs: code, conftest, an example."""
+    if previous is None:
+        return None
+
+    def files(root: Path) -> dict[str, bytes]:
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts}
+    before, after = files(previous), files(stage)
+    changed = [rel for rel in sorted(before.keys() | after.keys()) if before.get(rel) != after.get(rel)]
+    tests = [rel for rel in changed if rel in after and re.fullmatch(r"tests/test_[^/]+\.py", rel)]
+    others = [rel for rel in changed if rel not in tests and not is_prose(rel)]
+    return None if others or not tests else tests
 
 
 def revert_proof(book: Book, n: int, fix: Fix, stage: Path, tmp: Path, timeout: float,

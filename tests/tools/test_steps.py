@@ -595,3 +595,25 @@ def test_exercise_markers_are_no_history_and_add_no_depth() -> None:
     assert steps.depth_errors([outer], 1) == [], "two exercise regions around one chapter block: depth 1"
     deep = steps.Block("f.py", 1, "", 5, body=[steps.Block("f.py", 2, "", 6, body=[steps.Block("f.py", 3, "", 7)])])
     assert steps.depth_errors([deep], 1) != [], "three chapter blocks deep is still an error"
+
+
+def test_a_stage_that_changes_no_code_runs_only_its_new_tests(tmp_path: Path) -> None:
+    """Stage n's tests rerun everything unless n adds only prose and test modules: then only those."""
+    before, after = tmp_path / "before", tmp_path / "after"
+    for root in (before, after):
+        (root / "pkg").mkdir(parents=True)
+        (root / "tests").mkdir()
+        (root / "chapters").mkdir()
+        (root / "pkg" / "engine.py").write_text("X = 1\n")
+        (root / "tests" / "test_ch01.py").write_text("def test_x(): pass\n")
+    (after / "tests" / "test_ch02.py").write_text("def test_y(): pass\n")
+    (after / "chapters" / "02.md").write_text("# two\n")
+    assert steps.new_tests(after, None) is None, "no stage before: everything"
+    assert steps.new_tests(after, before) == ["tests/test_ch02.py"]
+    (after / "tests" / "test_ch01.py").write_text("def test_x(): assert 1\n")
+    assert steps.new_tests(after, before) == ["tests/test_ch01.py", "tests/test_ch02.py"]
+    (after / "tests" / "conftest.py").write_text("")
+    assert steps.new_tests(after, before) is None, "a conftest changes every test"
+    (after / "tests" / "conftest.py").unlink()
+    (after / "pkg" / "engine.py").write_text("X = 2\n")
+    assert steps.new_tests(after, before) is None, "code changed: everything"
