@@ -290,13 +290,14 @@ def test_rmsnorm_equals_transformers_on_zero_and_tiny_inputs(dtype):
     with torch.no_grad():
         ours.weight.copy_(torch.randn(dim))
         ref.weight.copy_(ours.weight)
+    ours, ref = ours.to(dtype), ref.to(dtype)          # weights in the input's dtype, as the engine holds them
     x = torch.stack([torch.zeros(dim), torch.full((dim,), 1e-5), 1e-4 * torch.randn(dim), torch.randn(dim),
                      100 * torch.randn(dim)]).to(dtype)
     with torch.no_grad():
         out, expected = ours(x), ref(x)
     torch.testing.assert_close(out, expected)
     assert torch.equal(out[0], torch.zeros(dim)), "a zero row normalises to zero"
-    by_hand = ours.weight.detach() * (1e-5 / (1e-10 + eps) ** 0.5)                # 0.0099995 * weight
+    by_hand = ours.weight.detach().float() * (1e-5 / (1e-10 + eps) ** 0.5)        # 0.0099995 * weight
     torch.testing.assert_close(out[1].float(), by_hand, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
 
 

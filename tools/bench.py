@@ -1,0 +1,413 @@
+"""Chapter 14's benchmark: minioverlap against transformers on real Qwen3 shapes, on one GPU (needs CUDA).
+
+    python tools/bench.py                                    # 0.6b and 8b, batch 1 4 16 64, every system
+    python tools/bench.py --shapes 8b --batches 16 64 --cache-dir /tmp/ckpt --out bench.json   # add to a sweep
+    python tools/bench.py --systems hf-compile overlap-graphs --tokens 64 --repeats 5
+    python tools/bench.py --report bench.json --png bench.png     # no GPU: the table and plot of a recorded run
+    python tools/bench.py --shapes 8b --batches 1 --profile --chrome trace.json   # where a step's time goes
+
+Each model shape is a random-weight Qwen3 checkpoint in bf16 with the real shapes (Qwen3-0.6B, Qwen3-8B),
+made with transformers and saved to --cache-dir (reused there by later commands). For each shape and
+batch size every system serves the same batch of random --prompt-token prompts, each generating exactly
+--tokens new tokens (greedy; transformers with min_new_tokens, minioverlap with ignore_eos): transformers
+eagerly with its dynamic cache (hf-eager) and with a static cache, whose decode forward its generate
+compiles with torch.compile (hf-compile, what a transformers user picks for speed), and minioverlap's
+normal and overlap loops, each eager and with CUDA graphs. Each is warmed up untimed, then they take
+turns for --repeats timed runs; the table shows medians: tokens/s, ms per step (wall time / new tokens),
+that against the HBM bound (the weight bytes a decode step reads over the copy bandwidth measured in the
+same run), the ratio to hf-compile, and for minioverlap the median GPU gap between steps and the host's
+CPU time per step (every phase but `wait`). Results are merged into --out after each batch size, so a
+long sweep can run as several commands, and plotted to --png (tokens/s against batch size).
+
+--profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler): how many,
+their GPU time, and the costliest by name. --chrome FILE writes both loops' event traces at batch 1 with
+graphs on (the first shape) as Chrome trace-event JSON, the file chapter 06's notebook draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SYSTEMS = ("hf-eager", "hf-compile", "normal-eager", "overlap-eager", "normal-graphs", "overlap-graphs")
+COMMON = dict(head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=151643, eos_token_id=151645)
+SHAPES = {   # Qwen3-0.6B and Qwen3-8B
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def free() -> None:
+    gc.collect()
+    torch.compiler.reset()                 # hf-compile's graphs and their memory pools
+    torch.cuda.empty_cache()
+
+
+def copy_bandwidth(gib: int = 2, repeats: int = 9) -> float:
+    """Bytes/s of a device-to-device copy of `gib` GiB, counting bytes read and written; median of `repeats`."""
+    src = torch.empty(gib * 2**30, dtype=torch.uint8, device="cuda")
+    dst, seconds = torch.empty_like(src), []
+    for i in range(repeats + 1):                          # the first copy warms up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i:
+            seconds.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    free()
+    return 2 * gib * 2**30 / statistics.median(seconds)
+
+
+def make_checkpoint(shape: str, cache_dir: Path) -> Path:
+    """A random-weight bf16 Qwen3 checkpoint of `shape`, built on the GPU and saved (once) under cache_dir."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    path = cache_dir / f"qwen3-{shape}-random"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if (path / "config.json").is_file():
+        return path
+    partial = path.with_name(path.name + ".partial")          # renamed when complete: a killed run leaves no half
+    shutil.rmtree(partial, ignore_errors=True)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], **COMMON))
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in model.parameters():                           # matrices N(0, 0.02), RMSNorm weights 1
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else p.fill_(1.0)
+    model.save_pretrained(partial)
+    partial.rename(path)
+    del model
+    free()
+    return path
+
+
+def step_weight_bytes(path: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor once, the LM head included; the input embedding
+    only when it is the (tied) head, as an untied one is only gathered, a row per token."""
+    from safetensors import safe_open
+    tied = json.loads((path / "config.json").read_text())["tie_word_embeddings"]
+    skip = "lm_head.weight" if tied else "model.embed_tokens.weight"
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) * 2 for name in f.keys() if name != skip)   # bf16
+    return total
+
+
+def hf_system(model, prompts: list[list[int]], tokens: int, compiled: bool):
+    """transformers' generate on one batch (the prompts are all --prompt long: no padding). With a static
+    cache on CUDA, generate runs its decode steps through model.get_compiled_call() (torch.compile)."""
+    ids = torch.tensor(prompts, device="cuda")
+    extra = {"cache_implementation": "static"} if compiled else {}
+
+    def run() -> None:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=0, **extra)
+        assert out.shape == (len(prompts), ids.shape[1] + tokens)
+        assert not compiled or hasattr(model, "_compiled_call"), "transformers did not compile the forward"
+    return run, lambda: (None, None)
+
+
+def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: int):
+    """An engine of one loop (normal/overlap), eager or with CUDA graphs; probe: (median GPU gap, CPU ms/step)."""
+    from minioverlap import LLM, SamplingParams
+    loop, mode = name.split("-")
+    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", overlap=loop == "overlap", cuda_graphs=mode == "graphs",
+              max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+    def run() -> None:
+        assert all(len(o.token_ids) == tokens for o in llm.generate(prompts, params))
+
+    def probe() -> tuple[float | None, float]:
+        gaps, phases = llm.trace.gpu_gaps_ms(), llm.trace.phase_times_us()
+        return (statistics.median(gaps) if gaps else None), sum(us for k, us in phases.items() if k != "wait") / 1e3
+    return run, probe
+
+
+def one_engine(path: Path, prompt: int, tokens: int, **options):
+    """A minioverlap engine at batch 1 with graphs on, its prompt and its sampling parameters."""
+    from minioverlap import LLM, SamplingParams
+    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_running=1,
+              max_seq_len=prompt + tokens + 16, **options)
+    prompts = torch.randint(0, 151643, (1, prompt), generator=torch.Generator().manual_seed(1)).tolist()
+    return llm, prompts, SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+
+def profile_step(path: Path, prompt: int, tokens: int = 64, top: int = 8) -> dict:
+    """The GPU kernels of a graphed decode step at batch 1 (normal loop, the prefill's share spread over
+    `tokens` steps): kernels per step, their GPU time per step, and the `top` costliest names."""
+    from torch.profiler import ProfilerActivity, profile
+    llm, prompts, params = one_engine(path, prompt, tokens, overlap=False)
+    llm.generate(prompts, params)                                        # warm-up
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.count > 0]
+    total_us = sum(e.device_time_total for e in kernels)
+    costliest = sorted(kernels, key=lambda e: -e.device_time_total)[:top]
+    return {"kernels_per_step": round(sum(e.count for e in kernels) / tokens, 1),
+            "gpu_ms_per_step": round(total_us / tokens / 1e3, 4),
+            "top": [{"name": e.key[:80], "ms_per_step": round(e.device_time_total / tokens / 1e3, 4),
+                     "per_step": round(e.count / tokens, 1)} for e in costliest]}
+
+
+def chrome(path: Path, prompt: int, tokens: int, out: Path) -> None:
+    """Both loops' event traces at batch 1, graphs on, as Chrome trace-event JSON."""
+    from minioverlap.device.trace import chrome_trace
+    traces, starts = {}, {}
+    for loop in ("normal", "overlap"):
+        llm, prompts, params = one_engine(path, prompt, tokens, overlap=loop == "overlap")
+        llm.generate(prompts, params)                                    # warm-up
+        starts[loop] = time.perf_counter_ns()
+        llm.generate(prompts, params)
+        traces[loop] = llm.trace
+        del llm
+        free()
+    out.write_text(json.dumps(chrome_trace(traces, starts)) + "\n")
+    print(f"wrote {out}")
+
+
+def race(systems: dict, repeats: int) -> dict[str, list[tuple]]:
+    """One untimed warm-up each, then `repeats` rounds taking turns -> (wall s, gap ms, CPU ms) per timed run."""
+    for run, _ in systems.values():
+        run()
+    samples: dict[str, list[tuple]] = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, (run, probe) in systems.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start, *probe()))
+    return samples
+
+
+def median_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, weight_bytes: int, bw: float) -> dict:
+    wall = statistics.median(s[0] for s in samples)
+    ms_step, hbm_ms = wall / tokens * 1e3, weight_bytes / bw * 1e3
+    gap, cpu = median_or_none([s[1] for s in samples]), median_or_none([s[2] for s in samples])
+    return {"shape": shape, "batch": batch, "system": system, "tok_s": round(batch * tokens / wall, 1),
+            "ms_step": round(ms_step, 4), "hbm_ms": round(hbm_ms, 4), "x_hbm": round(ms_step / hbm_ms, 3),
+            "gap_ms": None if gap is None else round(gap, 4), "cpu_ms": None if cpu is None else round(cpu, 4),
+            "weights_GB": round(weight_bytes / 1e9, 3)}
+
+
+def order(r: dict) -> tuple:
+    shapes = list(SHAPES)
+    return (shapes.index(r["shape"]) if r["shape"] in shapes else len(shapes), r["shape"], r["batch"],
+            SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS), r["system"])
+
+
+class MergeError(ValueError):
+    """Two runs that cannot share a table."""
+
+
+def merge(old: dict | None, new: dict) -> dict:
+    """new's results added to old's, a configuration measured again replacing its old row; the header
+    (versions, copy bandwidth) is new's. Another device, prompt length or token count does not mix: MergeError."""
+    if old is None:
+        return new
+    for key in ("device", "prompt", "tokens"):
+        if old.get(key) != new.get(key):
+            raise MergeError(f"the recorded run has {key} {old.get(key)!r}, this one {new.get(key)!r}: use another --out")
+    rows = {order(r): r for r in old["results"]} | {order(r): r for r in new["results"]}
+    return {**old, **new, "results": [rows[k] for k in sorted(rows)]}
+
+
+def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
+    """Run every (shape, batch, system), merging the results into `out` after each batch size."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    bw = copy_bandwidth()
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+              "copy_GBps": round(bw / 1e9, 1), "prompt": args.prompt, "tokens": args.tokens}
+    record = merge(load(out), {**header, "results": []})          # a mismatch stops the run before it starts
+    for shape in args.shapes:
+        path = make_checkpoint(shape, cache)
+        weight_bytes = step_weight_bytes(path)
+        hf = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+              if any(s.startswith("hf-") for s in args.systems) else None)
+        for batch in args.batches:
+            begin = time.perf_counter()
+            gen = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(0, 151643, (batch, args.prompt), generator=gen).tolist()   # no special tokens
+            systems = {s: hf_system(hf, prompts, args.tokens, s == "hf-compile") if s.startswith("hf-")
+                       else minioverlap_system(path, s, prompts, args.tokens) for s in args.systems}
+            samples = race(systems, args.repeats)
+            del systems
+            free()
+            rows = [row(shape, batch, s, samples[s], args.tokens, weight_bytes, bw) for s in args.systems]
+            record = merge(record, {**header, "results": rows})
+            out.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"{shape} batch {batch}: {time.perf_counter() - begin:.0f} s", flush=True)
+        del hf
+        free()
+        if args.profile:
+            record.setdefault("profile", {})[shape] = profile_step(path, args.prompt)
+            out.write_text(json.dumps(record, indent=1) + "\n")
+        if args.chrome:
+            chrome(path, args.prompt, 32, Path(args.chrome))
+    return record
+
+
+def load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def report(record: dict) -> None:
+    """One rich table per shape: rows batch x system, with the tokens/s ratio to hf-compile at the same batch."""
+    from rich.console import Console
+    from rich.table import Table
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    results = sorted(record["results"], key=order)
+    base = {(r["shape"], r["batch"]): r["tok_s"] for r in results if r["system"] == "hf-compile"}
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        rows = [r for r in results if r["shape"] == shape]
+        table = Table(title=f"Qwen3-{shape} shape, random bf16 weights: {rows[0]['weights_GB']:.2f} GB read per step, "
+                            f"HBM bound {rows[0]['hbm_ms']:.3f} ms/step",
+                      caption=f"{record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
+                              f"copy {record['copy_GBps']:.0f} GB/s; {record['prompt']}-token prompts, "
+                              f"{record['tokens']} new tokens each; medians")
+        for name in ("batch", "system", "tok/s", "ms/step", "x HBM", "x hf-compile", "GPU gap ms", "CPU ms/step"):
+            table.add_column(name, justify="left" if name == "system" else "right")
+        for i, r in enumerate(rows):
+            ratio = r["tok_s"] / base[shape, r["batch"]] if (shape, r["batch"]) in base else None
+            last = i + 1 == len(rows) or rows[i + 1]["batch"] != r["batch"]
+            table.add_row(str(r["batch"]), r["system"], f"{r['tok_s']:.0f}", f"{r['ms_step']:.2f}", f"{r['x_hbm']:.2f}",
+                          fmt(ratio, ".2f", "x"), fmt(r["gap_ms"], ".3f"), fmt(r["cpu_ms"], ".3f"), end_section=last)
+        console.print(table)
+        if shape in record.get("profile", {}):
+            prof = record["profile"][shape]
+            console.print(f"a graphed decode step at batch 1: {prof['kernels_per_step']:.0f} kernels, "
+                          f"{prof['gpu_ms_per_step']:.3f} ms of GPU time; the costliest:")
+            for k in prof["top"]:
+                console.print(f"  {k['ms_per_step']:7.3f} ms  {k['per_step']:5.0f} x  {k['name']}")
+
+
+def plot(record: dict, path: Path) -> None:
+    """tokens/s against batch size, one line per system, one panel per shape, log axes."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no {path}")
+        return
+    results = sorted(record["results"], key=order)
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in results if r["shape"] == shape]
+        for system in dict.fromkeys(r["system"] for r in rows):
+            points = [(r["batch"], r["tok_s"]) for r in rows if r["system"] == system]
+            color = f"C{SYSTEMS.index(system)}" if system in SYSTEMS else None      # the same colour in every panel
+            ax.plot(*zip(*points), marker="o", label=system, color=color)
+        batches = sorted({r["batch"] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel="batch size", ylabel="tokens/s", title=f"Qwen3-{shape} shape")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{record['device']}: {record['prompt']}-token prompts, {record['tokens']} new tokens, bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), metavar="SHAPE",
+                        help=f"model shapes: {', '.join(SHAPES)} (default all)")
+    parser.add_argument("--batches", nargs="+", type=positive, default=[1, 4, 16, 64], help="batch sizes")
+    parser.add_argument("--prompt", type=positive, default=64, help="prompt tokens per request")
+    parser.add_argument("--tokens", type=positive, default=128, help="new tokens per request")
+    parser.add_argument("--repeats", type=positive, default=3, help="timed runs of each, taking turns")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), metavar="SYSTEM",
+                        help=f"what runs: {', '.join(SYSTEMS)} (default all)")
+    parser.add_argument("--cache-dir", help="where the checkpoints are made and kept for later runs (default: a temp dir, removed)")
+    parser.add_argument("--out", default="bench.json", help="the JSON the results are merged into")
+    parser.add_argument("--png", default="bench.png", help="the plot")
+    parser.add_argument("--profile", action="store_true", help="also profile one graphed decode step per shape")
+    parser.add_argument("--chrome", metavar="FILE", help="also write both loops' traces (first shape, batch 1, graphs)")
+    parser.add_argument("--report", metavar="FILE", help="no run: print the table (and plot) of a recorded JSON")
+    return parser.parse_args(argv)
+
+
+def shape_by_shape(args: argparse.Namespace) -> dict:
+    """Each shape in a process of its own, merging into the same --out (--chrome for the first shape):
+    one process running the 8b shape and then the 0.6b one failed once with an illegal memory access."""
+    for i, shape in enumerate(args.shapes):
+        cmd = [sys.executable, __file__, "--shapes", shape, "--batches", *map(str, args.batches),
+               "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+               "--systems", *args.systems, "--out", args.out, "--png", args.png,
+               *(["--cache-dir", args.cache_dir] if args.cache_dir else []), *(["--profile"] if args.profile else []),
+               *(["--chrome", args.chrome] if args.chrome and i == 0 else [])]
+        if subprocess.run(cmd).returncode:
+            raise SystemExit(f"the {shape} run failed: {' '.join(cmd)}")
+    return load(Path(args.out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report:
+        record = load(Path(args.report))
+        if record is None:
+            raise SystemExit(f"--report {args.report}: no such file")
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU; --report FILE reads a recorded run")
+    elif len(args.shapes) > 1:
+        record = shape_by_shape(args)
+    else:
+        try:
+            with tempfile.TemporaryDirectory(prefix="bench-") as tmp:        # the checkpoints, without --cache-dir
+                record = bench(args, Path(args.out), Path(args.cache_dir or tmp))
+        except MergeError as e:
+            raise SystemExit(f"--out {args.out}: {e}") from e
+    report(record)
+    plot(record, Path(args.png))
+
+
+if __name__ == "__main__":
+    main()
