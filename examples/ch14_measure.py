@@ -28,8 +28,8 @@ def recorded() -> None:
     run = json.loads(RUN.read_text())
     rows = {(r["shape"], r["batch"], r["system"]): r for r in run["results"]}
     console.rule(f"the recorded run: {run['device']}, bf16, {run['prompt']}-token prompts, {run['tokens']} new tokens")
-    table = Table("shape", "batch", "HBM bound ms", "overlap step ms", "x bound", "normal gap ms",
-                  "host ms/step", "overlap gain", "x hf-compile")
+    table = Table("shape", "batch", "bound ms", "step ms", "x bound", "normal gap ms", "host ms/step",
+                  "overlap gain", "x hf-compile")
     for shape, batch in dict.fromkeys((s, b) for s, b, _ in rows):
         normal, overlap = rows.get((shape, batch, "normal-graphs")), rows.get((shape, batch, "overlap-graphs"))
         compiled = rows.get((shape, batch, "hf-compile"))
@@ -40,8 +40,10 @@ def recorded() -> None:
                       f"{overlap['x_hbm']:.2f}", f"{normal['gap_ms']:.3f}", f"{normal['cpu_ms']:.2f}",
                       f"{overlap['tok_s'] / normal['tok_s']:.2f}x", vs_hf)
     console.print(table)
-    console.print("overlap gain: tokens/s of the overlap loop over the normal loop's, both with graphs; host ms/step: "
-                  "the normal loop's CPU time per step, every phase but the wait", highlight=False)
+    console.print("bound: the HBM bound of a step; step: the overlap loop's step; normal gap: the normal loop's median "
+                  "GPU gap; host ms/step: the normal loop's host work per step; overlap gain: the overlap loop's tokens/s "
+                  "over the normal loop's; x hf-compile: the overlap loop's tokens/s over transformers compiled's",
+                  highlight=False)
 
 
 def live(batch: int, tokens: int = 64) -> None:
@@ -55,9 +57,8 @@ def live(batch: int, tokens: int = 64) -> None:
         start = time.perf_counter()
         llm.generate(prompts, params)
         torch.cuda.synchronize()
-        phases = llm.trace.phase_times_us()
         results[overlap] = (batch * tokens / (time.perf_counter() - start), statistics.median(llm.trace.gpu_gaps_ms()),
-                            sum(us for kind, us in phases.items() if kind != "wait") / 1e3)
+                            llm.trace.host_ms_per_step())
     (n_tps, n_gap, n_cpu), (o_tps, o_gap, _) = results[False], results[True]
     console.print(f"batch {batch:2d}: normal {n_tps:6.0f} tok/s, GPU gap {n_gap:.3f} ms, host {n_cpu:.3f} ms/step; "
                   f"overlap {o_tps:6.0f} tok/s ({o_tps / n_tps:.2f}x), GPU gap {o_gap:.3f} ms", highlight=False)

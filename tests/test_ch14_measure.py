@@ -12,6 +12,7 @@ import torch
 
 from conftest import run_example
 from minioverlap import LLM, SamplingParams
+from minioverlap.device.trace import Trace, TraceEvent
 from minioverlap.model import qwen3
 from minioverlap.model.qwen3 import RMSNorm
 
@@ -64,6 +65,27 @@ def test_the_example_prints_each_configuration_s_gain_from_the_record():
         assert all(cell in line for cell in cells), (cells, line)
     if not torch.cuda.is_available():
         assert "no CUDA device here: the live part needs one" in out
+
+
+def test_the_host_s_work_per_step_by_hand():
+    """Two steps of the normal loop, times in microseconds. A phase lasts from the event before it to its
+    own; the first schedule has none before it and is not counted. Means: schedule 50 (step 2 only),
+    launch 100, process (100 + 150) / 2 = 125, reply 50; wait (1000) is not the host's work: 0.325 ms."""
+    trace = Trace()
+    times = [("schedule", 1, 0), ("launch", 1, 100), ("wait", 1, 1100), ("process", 1, 1200), ("reply", 1, 1250),
+             ("schedule", 2, 1300), ("launch", 2, 1400), ("wait", 2, 2400), ("process", 2, 2550), ("reply", 2, 2600)]
+    trace.extend(TraceEvent(kind, step, us * 1000, (0,)) for kind, step, us in times)
+    assert trace.host_ms_per_step() == pytest.approx(0.325)
+    trace.append(TraceEvent("wait", 3, 9_600_000, (0,)))               # a long wait changes nothing
+    assert trace.host_ms_per_step() == pytest.approx(0.325)
+
+
+def test_an_engine_s_host_work_is_every_phase_but_the_wait():
+    llm = LLM(model="tiny", device="cpu", max_running=2)
+    llm.generate(["def fibonacci(n):", "class Stack:"], SamplingParams(max_tokens=8, ignore_eos=True))
+    phases = llm.trace.phase_times_us()
+    assert set(phases) == {"schedule", "launch", "wait", "process", "reply"}
+    assert llm.trace.host_ms_per_step() == pytest.approx(sum(phases.values()) / 1e3 - phases["wait"] / 1e3)
 
 
 @pytest.mark.parametrize("shape", [(7, 64), (3, 5, 32)])

@@ -140,8 +140,8 @@ def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: 
         assert all(len(o.token_ids) == tokens for o in llm.generate(prompts, params))
 
     def probe() -> tuple[float | None, float]:
-        gaps, phases = llm.trace.gpu_gaps_ms(), llm.trace.phase_times_us()
-        return (statistics.median(gaps) if gaps else None), sum(us for k, us in phases.items() if k != "wait") / 1e3
+        gaps = llm.trace.gpu_gaps_ms()
+        return (statistics.median(gaps) if gaps else None), llm.trace.host_ms_per_step()
     return run, probe
 
 

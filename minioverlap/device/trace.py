@@ -58,6 +58,15 @@ class Trace(list):
         for a, b in zip(self, self[1:]):
             spans.setdefault(b.kind, []).append(b.t_ns - a.t_ns)
         return {kind: sum(v) / len(v) / 1e3 for kind, v in spans.items()}
+    # >>> ch14: the host's work per step
+
+    def host_ms_per_step(self) -> float:
+        """The host's own work per step, in ms: the mean length of every phase but `wait`, summed. Without
+        overlap the device idles through the part of it between steps; with overlap it runs beside a step."""
+        # >>> exercise 14.1: the host's work per step
+        return sum(us for kind, us in self.phase_times_us().items() if kind != "wait") / 1e3
+        # <<< exercise 14.1
+    # <<< ch14
 # >>> ch06: a file for Perfetto
 
 

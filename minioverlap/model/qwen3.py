@@ -58,6 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row of x [..., dim] normalised, in fp32 arithmetic, returned in x's dtype."""
         # >>> ch14 replaces ch01: PyTorch's fused kernel, the same arithmetic in one launch instead of eight
         #| dtype = x.dtype
         #| x = x.float()
