@@ -17,7 +17,8 @@ turns for --repeats timed runs; the table shows medians: tokens/s, ms per step (
 that against the HBM bound (the weight bytes a decode step reads over the copy bandwidth measured in the
 same run), the ratio to hf-compile, and for minioverlap the median GPU gap between steps and the host's
 CPU time per step (every phase but `wait`). Results are merged into --out after each batch size, so a
-long sweep can run as several commands, and plotted to --png (tokens/s against batch size).
+long sweep can run as several commands, and plotted to --png (tokens/s against batch size). Each shape
+runs in a process of its own.
 
 --profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler): how many,
 their GPU time, and the costliest by name. --chrome FILE writes both loops' event traces at batch 1 with
