@@ -160,7 +160,7 @@ class SpecGraphs:
         self.drafts = torch.zeros(n, W - 1, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(n * W, hidden.shape[1], dtype=hidden.dtype, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ...]] = {}
-        self.bucket, pool = 0, None
+        pool = None
         for b in reversed(self.buckets):
             self.graphs[b] = tuple(capture(dev, forward, pool) for forward in self.passes(runner, b))
             pool = self.graphs[b][0].pool()
@@ -196,21 +196,20 @@ class SpecGraphs:
 
     def draft(self, batch: ForwardBatch, page_table: torch.Tensor) -> torch.Tensor:
         """The step's layout into the buffers, padded to its bucket, and the draft passes -> drafts [B, k]."""
-        B, W = len(batch.reqs), self.window
-        self.bucket = b = bucket_for(B, self.buckets)
+        B, W, b = len(batch.reqs), self.window, bucket_for(len(batch.reqs), self.buckets)
         token, hidden = batch.draft_inputs
         for static, value, size, pad in ((self.positions, batch.positions, b * W, 0),
                                          (self.out_cache_loc, batch.out_cache_loc, b * W, 0),
                                          (self.seq_lens, batch.seq_lens, b, W),
                                          (self.draft_token, token, b, 0), (self.draft_hidden, hidden, b, 0)):
             pad_into(static, value, size, pad)
-        self.load_page_table(page_table)
+        self.load_page_table(page_table, b)
         self.graphs[b][0].replay()
         return self.drafts[:B]
 
     def target(self, batch: ForwardBatch) -> torch.Tensor:
         """The window's tokens into the buffers and the target's pass -> hidden states [B*W, hidden]."""
-        b, T = self.bucket, len(batch.input_ids)
+        b, T = bucket_for(len(batch.reqs), self.buckets), len(batch.input_ids)
         pad_into(self.input_ids, batch.input_ids, b * self.window, 0)
         self.graphs[b][1].replay()
         return self.hidden[:T]
@@ -219,15 +218,15 @@ class SpecGraphs:
                      page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The accepted tokens, each request's last accepted row and the page table the draft extend
         read, into the buffers; the draft extend -> next first drafts [B] and their hidden states."""
-        b, B = self.bucket, len(batch.reqs)
+        B, b = len(batch.reqs), bucket_for(len(batch.reqs), self.buckets)
         pad_into(self.next_ids, next_ids, b * self.window, 0)
         pad_into(self.last, last, b, self.pad_last[B:b])
-        self.load_page_table(page_table)
+        self.load_page_table(page_table, b)
         self.graphs[b][2].replay()
         return self.first[:B], self.next_hidden[:B]
 
-    def load_page_table(self, page_table: torch.Tensor) -> None:
-        """The step's rows of req_to_token into the buffer; padded rows point at KV slot 0 only."""
-        (B, L), b = page_table.shape, self.bucket
+    def load_page_table(self, page_table: torch.Tensor, b: int) -> None:
+        """The step's rows of req_to_token into the buffer; rows B..b-1 point at KV slot 0 only."""
+        B, L = page_table.shape
         self.page_table[:B, :L] = page_table
         self.page_table[B:b] = 0

@@ -113,7 +113,7 @@ def draft_extend(runner: ModelRunner, batch: ForwardBatch, next_ids: torch.Tenso
     batch.read_done = runner.streams.record()
     # <<< ch12
     # >>> ch13: with graphs, a verify's draft extend is one replay
-    if runner.graphs is not None and runner.graphs.fits(batch):
+    if runner.graphed(batch):
         runner.stash_drafts(batch, *runner.graphs.draft_extend(batch, next_ids, last, page_table))
         return
     # <<< ch13
