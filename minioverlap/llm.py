@@ -246,13 +246,14 @@ class LLM:
         # >>> ch06 replaces ch04: both loops, side by side
         #| while self.scheduler.busy:
         #|     yield from self.scheduler.normal_loop()
-        with self.runner.streams.schedule():
-            while not self.args.overlap and self.scheduler.busy:
-                yield from self.scheduler.normal_loop()
-            last = None                          # the overlap loop's step in flight
-            while self.args.overlap and (self.scheduler.busy or last is not None):
-                last, replies = self.scheduler.overlap_loop(last)
-                yield from replies
+        last = None                              # the overlap loop's step in flight
+        while self.scheduler.busy or last is not None:
+            with self.runner.streams.schedule():  # the engine's stream for one iteration, never across a yield
+                if self.args.overlap:
+                    last, replies = self.scheduler.overlap_loop(last)
+                else:
+                    replies = self.scheduler.normal_loop()
+            yield from replies
         # <<< ch06
 
     @property

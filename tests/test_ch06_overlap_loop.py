@@ -8,12 +8,15 @@ import os
 import subprocess
 import sys
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import run_example
 from minioverlap import LLM, SamplingParams
+from minioverlap.device.streams import Streams
 from minioverlap.device.trace import Trace, chrome_trace
 
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]
@@ -59,6 +62,54 @@ def test_an_in_flight_step_keeps_its_batch_alive():
     nxt, _ = sched.overlap_loop(last)
     assert sched.in_flight == [nxt], "step 1 was handled, step 2 is in flight"
 
+
+
+def test_the_callers_code_runs_outside_the_engines_stream_between_replies(monkeypatch):
+    """The engine's schedule stream is current only inside an iteration of the loop, never while the
+    caller holds a reply: not in the caller's loop body, not after it leaves a stream early and another
+    engine runs (on a GPU the thread's current stream is the default one at every reply)."""
+    inside = []
+    real = Streams.schedule
+
+    @contextmanager
+    def schedule(self):
+        with real(self):
+            inside.append(self)
+            try:
+                yield
+            finally:
+                inside.remove(self)
+    monkeypatch.setattr(Streams, "schedule", schedule)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for overlap in (False, True):
+        a, b = LLM(model="tiny", overlap=overlap), LLM(model="tiny", overlap=overlap)
+        on_gpu = a.runner.streams.cuda
+        default = torch.cuda.default_stream() if on_gpu else None
+        left = a.stream(PROMPTS, params)
+        next(left)                                              # a's caller holds a reply and keeps the stream open
+        assert inside == [] and (not on_gpu or torch.cuda.current_stream() == default)
+        seen = [(list(inside), on_gpu and torch.cuda.current_stream() != default) for _ in b.stream(PROMPTS, params)]
+        assert seen == [([], False)] * len(seen) and len(seen) >= 6
+        left.close()
+        assert inside == [] and (not on_gpu or torch.cuda.current_stream() == default)
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_driven_by_hand_waits_for_the_callers_stream():
+    """Driven by hand, outside LLM._loop, the scheduler queues a step's inputs on the caller's stream,
+    here held up by a ~50 ms kernel before every iteration: the forward stream waits for that stream,
+    so the tokens equal generate's."""
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm = LLM(model="tiny", device="cuda", dtype="float32", cuda_graphs=False)
+    expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    reqs = llm.make_requests(PROMPTS, params)
+    for req in reqs:
+        llm.scheduler.add_request(req)
+    while llm.scheduler.busy:
+        torch.cuda._sleep(100_000_000)                  # GPU clock cycles on the caller's (default) stream
+        llm.scheduler.normal_loop()
+    assert [req.output_ids for req in reqs] == expected
 
 def test_trace_compare_prints_both_orders_and_writes_a_perfetto_file(tmp_path):
     """`minioverlap trace --compare --chrome FILE` prints both exact orders and writes trace-event JSON

@@ -37,6 +37,25 @@ def test_every_recorded_row_is_consistent_with_its_own_measurements():
         assert (r["gap_ms"] is not None) == minioverlap and (r["cpu_ms"] is not None) == minioverlap
 
 
+def test_the_recorded_tiny_run_shows_what_mtp_adds():
+    """The tiny model's run (bf16, its trained MTP layer, k = 3): tokens/s and ms per token agree; each
+    MTP row accepted 2.5-3.1 tokens per verify step and beats plain decoding in the same loop; the host
+    outlasts the device's plain step, so the overlap loop's gap stays above 0.3 ms at batch 1, and a verify
+    step doubles the host's work."""
+    run = json.loads(RUN.with_name("14-h200-tiny-mtp.json").read_text())
+    rows = {(r["batch"], r["system"]): r for r in run["results"]}
+    assert {r["shape"] for r in run["results"]} == {"tiny"} and {b for b, _ in rows} == {1, 4, 16}
+    for (batch, system), r in rows.items():
+        assert r["tok_s"] * r["ms_step"] == pytest.approx(batch * 1000, rel=5e-3), (batch, system)
+        assert ("accept" in r) == system.endswith("-mtp")
+    for batch in (1, 4, 16):
+        for loop in ("normal", "overlap"):
+            mtp, plain = rows[batch, f"{loop}-graphs-mtp"], rows[batch, f"{loop}-graphs"]
+            assert mtp["mtp"] == 3 and 2.5 <= mtp["accept"] <= 3.1
+            assert mtp["tok_s"] > plain["tok_s"], (batch, loop)
+    assert rows[1, "overlap-graphs"]["gap_ms"] > 0.3
+    assert rows[1, "normal-graphs-mtp"]["cpu_ms"] >= 2 * rows[1, "normal-graphs"]["cpu_ms"], "the host's work doubles"
+
 def test_the_recorded_gaps_are_what_the_chapter_says():
     """With graphs, the overlap loop's median GPU gap is at most 0.03 ms at every batch; the normal loop's
     is the host's work between steps, at least 0.3 ms, and it grows with the batch."""

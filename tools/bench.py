@@ -5,20 +5,26 @@
     python tools/bench.py --systems hf-compile overlap-graphs --tokens 64 --repeats 5
     python tools/bench.py --report bench.json --png bench.png     # no GPU: the table and plot of a recorded run
     python tools/bench.py --shapes 8b --batches 1 --profile --chrome trace.json   # where a step's time goes
+    python tools/bench.py --shapes tiny --mtp 3             # plain against MTP, the tiny model's own drafts
 
 Each model shape is a random-weight Qwen3 checkpoint in bf16 with the real shapes (Qwen3-0.6B, Qwen3-8B),
-made with transformers and saved to --cache-dir (reused there by later commands). For each shape and
-batch size every system serves the same batch of random --prompt-token prompts, each generating exactly
---tokens new tokens (greedy; transformers with min_new_tokens, minioverlap with ignore_eos): transformers
-eagerly with its dynamic cache (hf-eager) and with a static cache, whose decode forward its generate
-compiles with torch.compile (hf-compile, what a transformers user picks for speed), and minioverlap's
-normal and overlap loops, each eager and with CUDA graphs. Each is warmed up untimed, then they take
-turns for --repeats timed runs; the table shows medians: tokens/s, ms per step (wall time / new tokens),
-that against the HBM bound (the weight bytes a decode step reads over the copy bandwidth measured in the
-same run), the ratio to hf-compile, and for minioverlap the median GPU gap between steps and the host's
-CPU time per step (every phase but `wait`). Results are merged into --out after each batch size, so a
-long sweep can run as several commands, and plotted to --png (tokens/s against batch size). Each shape
-runs in a process of its own.
+made with transformers and saved to --cache-dir (reused there by later commands); the tiny shape is the
+model minioverlap ships, trained, with its MTP layer, also run in bf16. For each shape and batch size
+every system serves the same batch of --prompt-token prompts (random tokens; for tiny, windows of
+minioverlap's own Python source, which its drafts can predict), each generating exactly --tokens new
+tokens (greedy; transformers with min_new_tokens, minioverlap with ignore_eos): transformers eagerly
+with its dynamic cache (hf-eager) and with a static cache, whose decode forward its generate compiles
+with torch.compile (hf-compile, what a transformers user picks for speed), and minioverlap's normal and
+overlap loops, each eager and with CUDA graphs; on a shape with an MTP layer (only tiny: random weights
+would draft nothing useful), both loops with graphs once more, drafting --mtp tokens a step (-mtp).
+Each is warmed up untimed, then they take turns for --repeats timed runs; the table shows medians:
+tokens/s, ms per token (wall time / new tokens: a step's time, except for MTP, which commits several
+tokens a step), that against the HBM bound (the weight bytes a plain decode step reads over the copy
+bandwidth measured in the same run), the ratio to hf-compile, for minioverlap the median GPU gap
+between steps and the host's CPU time per step (every phase but `wait`), and for MTP the accept length
+(tokens committed per verify step). Results are merged into --out after each batch size, so a long
+sweep can run as several commands, and plotted to --png (tokens/s against batch size). Each shape runs
+in a process of its own.
 
 --profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler): how many,
 their GPU time, and the costliest by name. --chrome FILE writes both loops' event traces at batch 1 with
@@ -41,10 +47,12 @@ from pathlib import Path
 
 import torch
 
-SYSTEMS = ("hf-eager", "hf-compile", "normal-eager", "overlap-eager", "normal-graphs", "overlap-graphs")
+SYSTEMS = ("hf-eager", "hf-compile", "normal-eager", "overlap-eager", "normal-graphs", "overlap-graphs",
+           "normal-graphs-mtp", "overlap-graphs-mtp")
 COMMON = dict(head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
               rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=151643, eos_token_id=151645)
-SHAPES = {   # Qwen3-0.6B and Qwen3-8B
+SHAPES = {   # Qwen3-0.6B and Qwen3-8B; tiny is the shipped checkpoint
+    "tiny": None,
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -76,8 +84,12 @@ def copy_bandwidth(gib: int = 2, repeats: int = 9) -> float:
 
 
 def make_checkpoint(shape: str, cache_dir: Path) -> Path:
-    """A random-weight bf16 Qwen3 checkpoint of `shape`, built on the GPU and saved (once) under cache_dir."""
+    """A random-weight bf16 Qwen3 checkpoint of `shape`, built on the GPU and saved (once) under cache_dir;
+    for tiny, the checkpoint minioverlap ships."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    if SHAPES[shape] is None:
+        from minioverlap.model.loader import resolve_model_dir
+        return Path(resolve_model_dir(shape))
     path = cache_dir / f"qwen3-{shape}-random"
     cache_dir.mkdir(parents=True, exist_ok=True)
     if (path / "config.json").is_file():
@@ -103,16 +115,40 @@ def make_checkpoint(shape: str, cache_dir: Path) -> Path:
 
 
 def step_weight_bytes(path: Path) -> int:
-    """Bytes of weights one decode step reads: every tensor once, the LM head included; the input embedding
-    only when it is the (tied) head, as an untied one is only gathered, a row per token."""
+    """Bytes of weights one plain decode step reads in bf16: every tensor once, the LM head included; the
+    input embedding only when it is the (tied) head, as an untied one is only gathered, a row per token;
+    not the MTP layers (model.layers.{L}.* with L >= num_hidden_layers)."""
     from safetensors import safe_open
-    tied = json.loads((path / "config.json").read_text())["tie_word_embeddings"]
-    skip = "lm_head.weight" if tied else "model.embed_tokens.weight"
+    config = json.loads((path / "config.json").read_text())
+    skip = "lm_head.weight" if config["tie_word_embeddings"] else "model.embed_tokens.weight"
+
+    def read(name: str) -> bool:
+        parts = name.split(".")
+        mtp = parts[:2] == ["model", "layers"] and int(parts[2]) >= config["num_hidden_layers"]
+        return name != skip and not mtp
     total = 0
     for file in path.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
-            total += sum(math.prod(f.get_slice(name).get_shape()) * 2 for name in f.keys() if name != skip)   # bf16
+            total += sum(math.prod(f.get_slice(name).get_shape()) * 2 for name in f.keys() if read(name))
     return total
+
+
+def has_mtp(path: Path) -> bool:
+    return json.loads((path / "config.json").read_text()).get("num_nextn_predict_layers", 0) > 0
+
+
+def make_prompts(shape: str, path: Path, batch: int, length: int) -> list[list[int]]:
+    """`batch` prompts of `length` tokens, the same for every system: random ids below the special tokens,
+    or, for tiny, windows of minioverlap's own source at spread offsets (code its drafts can predict)."""
+    gen = torch.Generator().manual_seed(batch)
+    if SHAPES[shape] is not None:
+        return torch.randint(0, 151643, (batch, length), generator=gen).tolist()
+    from minioverlap.model.loader import load_tokenizer
+    package = Path(__file__).resolve().parents[1] / "minioverlap"
+    text = "\n".join(f.read_text() for f in sorted(package.rglob("*.py")))
+    ids = load_tokenizer(path).encode(text).ids
+    starts = torch.randint(0, len(ids) - length, (batch,), generator=gen).tolist()
+    return [ids[s:s + length] for s in starts]
 
 
 def hf_system(model, prompts: list[list[int]], tokens: int, compiled: bool):
@@ -126,40 +162,44 @@ def hf_system(model, prompts: list[list[int]], tokens: int, compiled: bool):
                              do_sample=False, pad_token_id=0, **extra)
         assert out.shape == (len(prompts), ids.shape[1] + tokens)
         assert not compiled or hasattr(model, "_compiled_call"), "transformers did not compile the forward"
-    return run, lambda: (None, None)
+    return run, lambda: (None, None, None)
 
 
-def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: int):
-    """An engine of one loop (normal/overlap), eager or with CUDA graphs; probe: (median GPU gap, CPU ms/step)."""
+def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: int, mtp: int):
+    """An engine of one loop (normal/overlap), eager or with CUDA graphs, drafting `mtp` tokens a step when
+    the name ends in -mtp; probe: (median GPU gap, CPU ms/step, tokens per verify step or None)."""
     from minioverlap import LLM, SamplingParams
-    loop, mode = name.split("-")
+    loop, mode, *spec = name.split("-")
+    k = mtp if spec else 0
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", overlap=loop == "overlap", cuda_graphs=mode == "graphs",
-              max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16)
+              max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16, mtp_steps=k)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    outs = []
 
     def run() -> None:
-        assert all(len(o.token_ids) == tokens for o in llm.generate(prompts, params))
+        outs[:] = llm.generate(prompts, params)
+        assert all(len(o.token_ids) == tokens for o in outs)
 
-    def probe() -> tuple[float | None, float]:
+    def probe() -> tuple[float | None, float, float | None]:
         gaps = llm.trace.gpu_gaps_ms()
-        return (statistics.median(gaps) if gaps else None), llm.trace.host_ms_per_step()
+        accept = sum(len(o.token_ids) for o in outs) / sum(o.verify_steps for o in outs) if k else None
+        return (statistics.median(gaps) if gaps else None), llm.trace.host_ms_per_step(), accept
     return run, probe
 
 
-def one_engine(path: Path, prompt: int, tokens: int, **options):
+def one_engine(shape: str, path: Path, prompt: int, tokens: int, **options):
     """A minioverlap engine at batch 1 with graphs on, its prompt and its sampling parameters."""
     from minioverlap import LLM, SamplingParams
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_running=1,
               max_seq_len=prompt + tokens + 16, **options)
-    prompts = torch.randint(0, 151643, (1, prompt), generator=torch.Generator().manual_seed(1)).tolist()
-    return llm, prompts, SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return llm, make_prompts(shape, path, 1, prompt), SamplingParams(max_tokens=tokens, ignore_eos=True)
 
 
-def profile_step(path: Path, prompt: int, tokens: int = 64, top: int = 8) -> dict:
+def profile_step(shape: str, path: Path, prompt: int, tokens: int = 64, top: int = 8) -> dict:
     """The GPU kernels of a graphed decode step at batch 1 (normal loop, the prefill's share spread over
     `tokens` steps): kernels per step, their GPU time per step, and the `top` costliest names."""
     from torch.profiler import ProfilerActivity, profile
-    llm, prompts, params = one_engine(path, prompt, tokens, overlap=False)
+    llm, prompts, params = one_engine(shape, path, prompt, tokens, overlap=False)
     llm.generate(prompts, params)                                        # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params)
@@ -173,12 +213,12 @@ def profile_step(path: Path, prompt: int, tokens: int = 64, top: int = 8) -> dic
                      "per_step": round(e.count / tokens, 1)} for e in costliest]}
 
 
-def chrome(path: Path, prompt: int, tokens: int, out: Path) -> None:
+def chrome(shape: str, path: Path, prompt: int, tokens: int, out: Path) -> None:
     """Both loops' event traces at batch 1, graphs on, as Chrome trace-event JSON."""
     from minioverlap.device.trace import chrome_trace
     traces, starts = {}, {}
     for loop in ("normal", "overlap"):
-        llm, prompts, params = one_engine(path, prompt, tokens, overlap=loop == "overlap")
+        llm, prompts, params = one_engine(shape, path, prompt, tokens, overlap=loop == "overlap")
         llm.generate(prompts, params)                                    # warm-up
         starts[loop] = time.perf_counter_ns()
         llm.generate(prompts, params)
@@ -190,7 +230,7 @@ def chrome(path: Path, prompt: int, tokens: int, out: Path) -> None:
 
 
 def race(systems: dict, repeats: int) -> dict[str, list[tuple]]:
-    """One untimed warm-up each, then `repeats` rounds taking turns -> (wall s, gap ms, CPU ms) per timed run."""
+    """One untimed warm-up each, then `repeats` rounds taking turns -> (wall s, *probe()) per timed run."""
     for run, _ in systems.values():
         run()
     samples: dict[str, list[tuple]] = {name: [] for name in systems}
@@ -209,14 +249,19 @@ def median_or_none(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, weight_bytes: int, bw: float) -> dict:
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, weight_bytes: int, bw: float,
+        mtp: int) -> dict:
     wall = statistics.median(s[0] for s in samples)
     ms_step, hbm_ms = wall / tokens * 1e3, weight_bytes / bw * 1e3
-    gap, cpu = median_or_none([s[1] for s in samples]), median_or_none([s[2] for s in samples])
+    gap, cpu, accept = (median_or_none([s[i] for s in samples]) for i in (1, 2, 3))
     return {"shape": shape, "batch": batch, "system": system, "tok_s": round(batch * tokens / wall, 1),
-            "ms_step": round(ms_step, 4), "hbm_ms": round(hbm_ms, 4), "x_hbm": round(ms_step / hbm_ms, 3),
-            "gap_ms": None if gap is None else round(gap, 4), "cpu_ms": None if cpu is None else round(cpu, 4),
-            "weights_GB": round(weight_bytes / 1e9, 3)}
+            "ms_step": round(ms_step, 4), "hbm_ms": round(hbm_ms, 6), "x_hbm": round(ms_step / hbm_ms, 3),
+            "gap_ms": rounded(gap), "cpu_ms": rounded(cpu), "weights_GB": round(weight_bytes / 1e9, 3),
+            **({"mtp": mtp, "accept": rounded(accept, 3)} if system.endswith("-mtp") else {})}
 
 
 def order(r: dict) -> tuple:
@@ -254,28 +299,28 @@ def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
     for shape in args.shapes:
         path = make_checkpoint(shape, cache)
         weight_bytes = step_weight_bytes(path)
+        names = [s for s in args.systems if has_mtp(path) or not s.endswith("-mtp")]
         hf = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
-              if any(s.startswith("hf-") for s in args.systems) else None)
+              if any(s.startswith("hf-") for s in names) else None)
         for batch in args.batches:
             begin = time.perf_counter()
-            gen = torch.Generator().manual_seed(batch)
-            prompts = torch.randint(0, 151643, (batch, args.prompt), generator=gen).tolist()   # no special tokens
+            prompts = make_prompts(shape, path, batch, args.prompt)
             systems = {s: hf_system(hf, prompts, args.tokens, s == "hf-compile") if s.startswith("hf-")
-                       else minioverlap_system(path, s, prompts, args.tokens) for s in args.systems}
+                       else minioverlap_system(path, s, prompts, args.tokens, args.mtp) for s in names}
             samples = race(systems, args.repeats)
             del systems
             free()
-            rows = [row(shape, batch, s, samples[s], args.tokens, weight_bytes, bw) for s in args.systems]
+            rows = [row(shape, batch, s, samples[s], args.tokens, weight_bytes, bw, args.mtp) for s in names]
             record = merge(record, {**header, "results": rows})
             out.write_text(json.dumps(record, indent=1) + "\n")
             print(f"{shape} batch {batch}: {time.perf_counter() - begin:.0f} s", flush=True)
         del hf
         free()
         if args.profile:
-            record.setdefault("profile", {})[shape] = profile_step(path, args.prompt)
+            record.setdefault("profile", {})[shape] = profile_step(shape, path, args.prompt)
             out.write_text(json.dumps(record, indent=1) + "\n")
         if args.chrome:
-            chrome(path, args.prompt, 32, Path(args.chrome))
+            chrome(shape, path, args.prompt, 32, Path(args.chrome))
     return record
 
 
@@ -296,18 +341,23 @@ def report(record: dict) -> None:
     base = {(r["shape"], r["batch"]): r["tok_s"] for r in results if r["system"] == "hf-compile"}
     for shape in dict.fromkeys(r["shape"] for r in results):
         rows = [r for r in results if r["shape"] == shape]
-        table = Table(title=f"Qwen3-{shape} shape, random bf16 weights: {rows[0]['weights_GB']:.2f} GB read per step, "
+        weights = "trained weights (the shipped model)" if shape == "tiny" else "random weights"
+        table = Table(title=f"Qwen3-{shape} shape, {weights}, bf16: {rows[0]['weights_GB']:.2f} GB read per step, "
                             f"HBM bound {rows[0]['hbm_ms']:.3f} ms/step",
                       caption=f"{record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
                               f"copy {record['copy_GBps']:.0f} GB/s; {record['prompt']}-token prompts, "
                               f"{record['tokens']} new tokens each; medians")
-        for name in ("batch", "system", "tok/s", "ms/step", "x HBM", "x hf-compile", "GPU gap ms", "CPU ms/step"):
+        columns = ["batch", "system", "tok/s", "ms/token", "x HBM", "x hf-compile", "GPU gap ms", "CPU ms/step"]
+        mtp = any("accept" in r for r in rows)
+        for name in columns + ["tok/verify"] * mtp:
             table.add_column(name, justify="left" if name == "system" else "right")
         for i, r in enumerate(rows):
             ratio = r["tok_s"] / base[shape, r["batch"]] if (shape, r["batch"]) in base else None
             last = i + 1 == len(rows) or rows[i + 1]["batch"] != r["batch"]
-            table.add_row(str(r["batch"]), r["system"], f"{r['tok_s']:.0f}", f"{r['ms_step']:.2f}", f"{r['x_hbm']:.2f}",
-                          fmt(ratio, ".2f", "x"), fmt(r["gap_ms"], ".3f"), fmt(r["cpu_ms"], ".3f"), end_section=last)
+            system = f"{r['system']} k={r['mtp']}" if "mtp" in r else r["system"]
+            cells = [str(r["batch"]), system, f"{r['tok_s']:.0f}", f"{r['ms_step']:.2f}", f"{r['x_hbm']:.2f}",
+                     fmt(ratio, ".2f", "x"), fmt(r["gap_ms"], ".3f"), fmt(r["cpu_ms"], ".3f")]
+            table.add_row(*cells, *[fmt(r.get("accept"), ".2f")] * mtp, end_section=last)
         console.print(table)
         if shape in record.get("profile", {}):
             prof = record["profile"][shape]
@@ -365,6 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=positive, default=64, help="prompt tokens per request")
     parser.add_argument("--tokens", type=positive, default=128, help="new tokens per request")
     parser.add_argument("--repeats", type=positive, default=3, help="timed runs of each, taking turns")
+    parser.add_argument("--mtp", type=positive, default=3, metavar="K",
+                        help="tokens the -mtp systems draft a step, on shapes with an MTP layer (default 3)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), metavar="SYSTEM",
                         help=f"what runs: {', '.join(SYSTEMS)} (default all)")
     parser.add_argument("--cache-dir", help="where the checkpoints are made and kept for later runs (default: a temp dir, removed)")
@@ -382,6 +434,7 @@ def shape_by_shape(args: argparse.Namespace) -> dict:
     for i, shape in enumerate(args.shapes):
         cmd = [sys.executable, __file__, "--shapes", shape, "--batches", *map(str, args.batches),
                "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+               "--mtp", str(args.mtp),
                "--systems", *args.systems, "--out", args.out, "--png", args.png,
                *(["--cache-dir", args.cache_dir] if args.cache_dir else []), *(["--profile"] if args.profile else []),
                *(["--chrome", args.chrome] if args.chrome and i == 0 else [])]

@@ -22,8 +22,8 @@ per step) against the same loop without, in the normal loop and in the overlap l
 batch 1 and at --requests, taking turns the same way, and prints tokens/s side by side with their
 ratio and the accept length (tokens per verify step); besides the ratio of the medians, the median of
 each round's own ratio, which a change in the machine's load between rounds does not skew. Greedy: all
-four produce the same tokens (checked). On a GPU every engine runs eagerly (cuda_graphs=False): chapter
-13's graphs capture the plain decode step only, and tools/bench_graphs.py measures them.
+four produce the same tokens (checked). On a GPU every engine runs eagerly (cuda_graphs=False), as in
+chapters 09-12; `tools/bench.py --shapes tiny` measures MTP with chapter 13's graphs.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ not by the host.
 
     schedule stream  the scheduler's small writes: prompts into token_pool, KV slots into req_to_token,
                      the batch's index tensors
-    forward stream   the passes and the sampler; it waits for the schedule stream before each step,
-                     so a step sees every write made for it
+    forward stream   the passes and the sampler; before each step it waits for the stream that
+                     launches it (the schedule stream, inside the loop), so a step sees every write
+                     made for it, also when a caller drives the scheduler by hand on its own stream
 
 On CPU both are no-ops: the same code runs in the same order, one operation after another. From
 chapter 08 the same calls also drive the hazard checker when there is one: it is told which stream the
@@ -62,13 +63,14 @@ class Streams:
 
     @contextmanager
     def forward(self) -> Iterator[None]:
-        """Run a step on the forward stream, after everything the schedule stream has queued so far."""
+        """Run a step on the forward stream, after everything queued so far on the stream that launches
+        it: the schedule stream inside the loop."""
         if self.cuda:
-            self.forward_stream.wait_stream(self.schedule_stream)
+            self.forward_stream.wait_stream(torch.cuda.current_stream(self.forward_stream.device))
         # >>> ch08 replaces ch06: the checker
         #| with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext():
         #|     yield
-        with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext(), self.on("forward", "schedule"):
+        with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext(), self.on("forward", wait=True):
             yield
         # <<< ch08
 
@@ -115,15 +117,16 @@ class Streams:
             self.hazards.host_wait(event.clock, site)
 
     @contextmanager
-    def on(self, stream: str, after: str | None = None) -> Iterator[None]:
-        """Tell the checker that the work queued inside goes to `stream` (which first waits for `after`)."""
+    def on(self, stream: str, wait: bool = False) -> Iterator[None]:
+        """Tell the checker that the work queued inside goes to `stream`, which first waits, if `wait`,
+        for all that the current stream has queued (stream.wait_stream(torch.cuda.current_stream()))."""
         if not self.hazards:
             yield
             return
         previous, self.hazards.current = self.hazards.current, stream
         try:
-            if after:
-                self.hazards.wait_stream(after)
+            if wait:
+                self.hazards.wait_stream(previous)
             yield
         finally:
             self.hazards.current = previous

@@ -85,9 +85,69 @@ def test_merge_replaces_a_remeasured_row_and_keeps_the_rest():
         bench.merge(old, {**new, "tokens": 64})
 
 
+def test_the_bound_of_the_tiny_model_counts_its_main_weights_once_and_not_its_mtp_layer():
+    bench = load_bench()
+    path = bench.make_checkpoint("tiny", Path("unused"))
+    h, kv, q, mlp, vocab, layers = 256, 2 * 64, 4 * 64, 768, 4096, 6          # checkpoints/tiny/config.json
+    layer = h * q + 2 * h * kv + q * h + 3 * h * mlp + 2 * 64 + 2 * h          # q k v o, gate up down, q/k norm, 2 norms
+    assert bench.step_weight_bytes(path) == 2 * (vocab * h + layers * layer + h)   # tied head once, final norm; bf16
+    assert bench.has_mtp(path)
+
+
+def test_tiny_prompts_are_windows_of_the_source_the_same_for_every_call():
+    bench = load_bench()
+    path = bench.make_checkpoint("tiny", Path("unused"))
+    prompts = bench.make_prompts("tiny", path, 4, 64)
+    assert prompts == bench.make_prompts("tiny", path, 4, 64) and len({tuple(p) for p in prompts}) == 4
+    assert all(len(p) == 64 and all(0 <= t < 4096 for t in p) for p in prompts)
+    from minioverlap.model.loader import load_tokenizer
+    source = "\n".join(f.read_text() for f in sorted((ROOT / "minioverlap").rglob("*.py")))
+    assert all(load_tokenizer(path).decode(p) in source for p in prompts)
+    random = bench.make_prompts("8b", path, 2, 16)
+    assert [len(p) for p in random] == [16, 16] and max(max(p) for p in random) < 151643
+
+
+def test_report_shows_the_accept_length_of_the_mtp_rows(tmp_path):
+    record = json.loads(FIXTURE.read_text())
+    plain = {"shape": "tiny", "batch": 16, "system": "overlap-graphs", "tok_s": 6000.0, "ms_step": 2.6667,
+             "hbm_ms": 0.0024, "x_hbm": 1111.1, "gap_ms": 0.001, "cpu_ms": 1.1, "weights_GB": 0.012}
+    mtp = {**plain, "system": "overlap-graphs-mtp", "tok_s": 9000.0, "ms_step": 1.7778, "mtp": 3, "accept": 2.71}
+    record["results"] += [plain, mtp]
+    path = tmp_path / "mtp.json"
+    path.write_text(json.dumps(record))
+    done = run_bench("--report", str(path), "--png", str(tmp_path / "plot.png"))
+    assert done.returncode == 0, done.stderr
+    assert "tok/verify" in done.stdout
+    assert line_of(done.stdout, "overlap-graphs-mtp k=3", "9000").rstrip("│ ").endswith("2.71")
+    assert line_of(done.stdout, " 16 ", "overlap-graphs ", "6000").rstrip("│ ").endswith("-")
+    assert done.stdout.count("tok/verify") == 1                   # only the table of the shape with MTP rows
+
+
+def test_the_minioverlap_systems_run_and_probe_with_the_engine_on_a_cpu(monkeypatch):
+    """The bench's minioverlap systems, with the engine moved to the CPU (no graphs, no GPU gaps): each
+    serves the prompts to exactly --tokens new tokens; an -mtp system probes its accept length, the
+    tokens over the verify steps of its last run, and a plain one none."""
+    import minioverlap
+    bench = load_bench()
+    real = minioverlap.LLM
+    monkeypatch.setattr(minioverlap, "LLM", lambda **kw: real(**{**kw, "device": "cpu", "dtype": "float32",
+                                                                 "cuda_graphs": False}))
+    path = bench.make_checkpoint("tiny", Path("unused"))
+    prompts = bench.make_prompts("tiny", path, 2, 16)
+    for name in ("normal-graphs", "overlap-graphs-mtp"):
+        run, probe = bench.minioverlap_system(path, name, prompts, 12, 3)
+        run()
+        gap, cpu, accept = probe()
+        assert gap is None and cpu > 0
+        assert (accept is None) == (name == "normal-graphs")
+    llm = real(model=str(path), mtp_steps=3, max_running=2)
+    outs = llm.generate(prompts, minioverlap.SamplingParams(max_tokens=12, ignore_eos=True))
+    assert accept == 24 / sum(o.verify_steps for o in outs) and accept > 1
+
+
 @pytest.mark.parametrize("args, field", [
     (["--shapes", "7b"], "--shapes"), (["--systems", "vllm"], "--systems"), (["--batches", "1", "0"], "--batches"),
-    (["--tokens", "0"], "--tokens"), (["--repeats", "0"], "--repeats"),
+    (["--tokens", "0"], "--tokens"), (["--repeats", "0"], "--repeats"), (["--mtp", "0"], "--mtp"),
 ])
 def test_bad_arguments_exit_2_naming_the_field(args, field, capsys):
     with pytest.raises(SystemExit) as raised:
