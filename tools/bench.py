@@ -1,6 +1,6 @@
 """Chapter 14's benchmark: minioverlap against transformers on real Qwen3 shapes, on one GPU (needs CUDA).
 
-    python tools/bench.py                                    # 0.6b and 8b, batch 1 4 16 64, every system
+    python tools/bench.py                                    # tiny, 0.6b and 8b, batch 1 4 16 64, every system
     python tools/bench.py --shapes 8b --batches 16 64 --cache-dir /tmp/ckpt --out bench.json   # add to a sweep
     python tools/bench.py --systems hf-compile overlap-graphs --tokens 64 --repeats 5
     python tools/bench.py --report bench.json --png bench.png     # no GPU: the table and plot of a recorded run
