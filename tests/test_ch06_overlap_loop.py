@@ -63,7 +63,6 @@ def test_an_in_flight_step_keeps_its_batch_alive():
     assert sched.in_flight == [nxt], "step 1 was handled, step 2 is in flight"
 
 
-
 def test_the_callers_code_runs_outside_the_engines_stream_between_replies(monkeypatch):
     """The engine's schedule stream is current only inside an iteration of the loop, never while the
     caller holds a reply: not in the caller's loop body, not after it leaves a stream early and another
@@ -94,7 +93,6 @@ def test_the_callers_code_runs_outside_the_engines_stream_between_replies(monkey
         assert inside == [] and (not on_gpu or torch.cuda.current_stream() == default)
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_step_driven_by_hand_waits_for_the_callers_stream():
     """Driven by hand, outside LLM._loop, the scheduler queues a step's inputs on the caller's stream,
@@ -110,6 +108,7 @@ def test_a_step_driven_by_hand_waits_for_the_callers_stream():
         torch.cuda._sleep(100_000_000)                  # GPU clock cycles on the caller's (default) stream
         llm.scheduler.normal_loop()
     assert [req.output_ids for req in reqs] == expected
+
 
 def test_trace_compare_prints_both_orders_and_writes_a_perfetto_file(tmp_path):
     """`minioverlap trace --compare --chrome FILE` prints both exact orders and writes trace-event JSON
