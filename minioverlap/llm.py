@@ -81,6 +81,7 @@ class LLM:
         self.next_uid = 0
         # >>> ch04: one run at a time
         self.serving = False                     # a stream is being consumed
+        self.unstarted: dict[int, bool] = {}     # a stream's requests until its run starts: uid -> aborted
         # <<< ch04
         # >>> ch02: the paged cache
         self.runner = self.make_runner()
@@ -206,7 +207,9 @@ class LLM:
     def stream(self, prompts: Prompt | list[Prompt], params: Params = None) -> Iterator[Reply]:
         """Yield replies as the scheduler handles them: r.uid, r.token_ids (the new ones), r.finished.
         The prompts are checked before the first reply (ValueError on a bad one)."""
-        return self._serve(self.make_requests(prompts, params))
+        reqs = self.make_requests(prompts, params)
+        self.unstarted.update((req.uid, False) for req in reqs)
+        return self._serve(reqs)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Add one request to a run in progress (a `stream` being consumed); returns its uid.
@@ -219,11 +222,18 @@ class LLM:
         return req.uid
 
     def abort(self, uid: int) -> None:
-        """Stop a request: it frees its pages and slot, and its last reply has finish_reason 'abort'."""
+        """Stop a request: it frees its pages and slot, and its last reply has finish_reason 'abort'.
+        A request that has finished is left as it is; a uid no request has been given is refused."""
         number = _integral(uid)
         if number is None:
             raise ValueError(f"uid must be an integer, a request's id, got {uid!r}")
-        self.scheduler.abort(number)
+        if not 0 <= number < self.next_uid:
+            made = f"have uids 0 to {self.next_uid - 1}" if self.next_uid else "are none"
+            raise ValueError(f"uid {number} names no request: the requests made so far {made}")
+        if number in self.unstarted:             # its stream has not started: the abort waits with it
+            self.unstarted[number] = True
+        else:
+            self.scheduler.abort(number)
 
     def _serve(self, reqs: list[Req]) -> Iterator[Reply]:
         """Run the scheduler's loop until every request is done, yielding the replies. The run belongs
@@ -231,7 +241,10 @@ class LLM:
         every request of the run is aborted and freed, and the engine is as good as new."""
         if self.serving:
             raise RuntimeError("a run is in progress (a stream is being consumed): finish or close it first")
+        aborted = [req.uid for req in reqs if self.unstarted.pop(req.uid, False)]
         self.scheduler.submit(reqs)
+        for uid in aborted:                      # sent before the run started: they reach it now
+            self.scheduler.abort(uid)
         self.serving = True
         try:
             yield from self._loop()

@@ -5,6 +5,7 @@ Each case breaks one thing in a copy of a good random checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -136,3 +137,14 @@ def test_a_dtype_the_engine_cannot_run_is_named(dtype, good, tmp_path):
 
 def test_checkpoint_error_is_importable_from_the_package_and_is_a_value_error():
     assert minioverlap.CheckpointError is CheckpointError and issubclass(CheckpointError, ValueError)
+
+
+@pytest.mark.parametrize("model", [None, 123, b"tiny", ["tiny"]])
+def test_a_model_that_is_neither_a_name_nor_a_path_is_named(model, engine):
+    """model= must be a shipped model's name or a directory: anything else is a CheckpointError that
+    names the field and the value (not a TypeError from deep inside pathlib)."""
+    llm, fresh = engine
+    with pytest.raises(CheckpointError, match=r"model must be a shipped model's name \(tiny\) or a checkpoint "
+                                              rf"directory, got {re.escape(repr(model))}"):
+        LLM(model=model)
+    assert [o.token_ids for o in llm.generate(PROBE, SamplingParams(max_tokens=6))] == fresh

@@ -75,6 +75,22 @@ def test_abort_of_a_non_integer_uid_is_refused_while_the_run_goes_on(engine, alo
     assert_as_fresh(llm, fresh)
 
 
+def test_abort_of_a_uid_no_request_has_is_refused_and_aborts_nothing_later():
+    """abort(uid) names a request that exists when it is sent. A uid not given out yet is refused (it
+    once aborted the next request to get that uid); a finished request's abort changes nothing."""
+    llm = LLM(model="tiny", page_size=4)
+    with pytest.raises(ValueError, match=r"uid 0 names no request: the requests made so far are none"):
+        llm.abort(0)
+    fresh = probe_tokens(llm)                   # uids 0 and 1
+    for uid in (2, 7, -1):
+        with pytest.raises(ValueError, match=rf"uid {uid} names no request: the requests made so far have uids 0 to 1"):
+            llm.abort(uid)
+    llm.abort(1)                                # finished: nothing to stop
+    outs = llm.generate(PROBE, GREEDY)          # uids 2 and 3: neither is aborted
+    assert [(o.uid, o.token_ids, o.finish_reason) for o in outs] == [(2, fresh[0], "length"), (3, fresh[1], "length")]
+    assert_as_fresh(llm, fresh)
+
+
 def test_abort_takes_a_numpy_uid(engine):
     """A uid that arrives as a NumPy integer (from an array of uids) aborts its request."""
     llm, fresh = engine

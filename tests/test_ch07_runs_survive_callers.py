@@ -100,6 +100,20 @@ def test_an_abort_sent_before_the_first_reply_is_not_lost(llm, fresh_tokens):
     assert_as_good_as_new(llm, fresh_tokens)
 
 
+def test_an_abort_sent_before_a_stream_starts_survives_another_run(llm, fresh_tokens):
+    """The stream's requests get their uids at once but reach the scheduler only at its first reply. An
+    abort sent in between waits with them, even while another run (a generate) empties the inbox."""
+    stream = llm.stream(PROMPTS, PARAMS)
+    first = llm.next_uid - len(PROMPTS)
+    llm.abort(first + 1)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == fresh_tokens
+    replies = list(stream)
+    assert [(r.token_ids, r.finish_reason) for r in replies if r.uid == first + 1] == [([], "abort")]
+    tokens = {uid: sum((r.token_ids for r in replies if r.uid == uid), []) for uid in (first, first + 2)}
+    assert list(tokens.values()) == [fresh_tokens[0], fresh_tokens[2]]
+    assert_as_good_as_new(llm, fresh_tokens)
+
+
 def test_add_request_outside_a_run_is_refused_and_changes_nothing(llm, fresh_tokens):
     uid = llm.next_uid
     with pytest.raises(RuntimeError, match="add_request adds to a run in progress"):

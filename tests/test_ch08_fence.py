@@ -213,6 +213,39 @@ def test_every_guard_in_place_silence():
         assert b_len > a_len          # B's prompt covers every position of A's row
 
 
+def fail_the_third_forward(llm: LLM, error: BaseException) -> None:
+    """A run whose third forward pass raises `error` after the step has read the page tables (an
+    exception or a Ctrl-C inside the model): the step reaches neither the fence nor `in_flight`."""
+    forward, calls = llm.model.forward, []
+
+    def failing(*args, **kwargs):
+        out = forward(*args, **kwargs)          # the step's reads of the shared tables are queued
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return out
+
+    llm.model.forward = failing
+    try:
+        with pytest.raises(type(error)):
+            llm.generate(["def f(x):", "class A:", "import os"], SamplingParams(max_tokens=8, ignore_eos=True))
+    finally:
+        llm.model.forward = forward
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("error", [RuntimeError("planted failure"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
+def test_the_run_after_a_failed_step_is_no_race(overlap, error):
+    """A failed step's queued reads are waited for before anything runs after it: the next run's
+    writes to the rows it read are ordered after them, and its tokens are a fresh engine's."""
+    llm = LLM(model="tiny", overlap=overlap, hazard_check=True, page_size=4, max_running=2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    fresh = [o.token_ids for o in llm.generate(["def f(x):", "class A:"], params)]
+    fail_the_third_forward(llm, error)
+    assert [o.token_ids for o in llm.generate(["def f(x):", "class A:"], params)] == fresh
+    llm.check_integrity()
+
+
 def test_fence_off_the_scheduler_rewrites_a_page_table_the_step_still_reads():
     """Release at once with no fence: B's KV slots go into row 1 while step k+1 may still read A's."""
     _, a_len, _ = slot_handover()

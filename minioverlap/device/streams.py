@@ -64,14 +64,18 @@ class Streams:
     @contextmanager
     def forward(self) -> Iterator[None]:
         """Run a step on the forward stream, after everything queued so far on the stream that launches
-        it: the schedule stream inside the loop."""
+        it: the schedule stream inside the loop. From chapter 08, a step that raises is waited for."""
         if self.cuda:
             self.forward_stream.wait_stream(torch.cuda.current_stream(self.forward_stream.device))
         # >>> ch08 replaces ch06: the checker
         #| with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext():
         #|     yield
         with torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext(), self.on("forward", wait=True):
-            yield
+            try:
+                yield
+            except BaseException:                # a step that failed half-way: its reads reached no fence
+                self.drain("a step that failed")
+                raise
         # <<< ch08
 
     def timestamp(self) -> torch.cuda.Event | None:
@@ -115,6 +119,14 @@ class Streams:
             event.cuda.synchronize()
         if event.clock is not None:
             self.hazards.host_wait(event.clock, site)
+
+    def drain(self, site: str) -> None:
+        """Block the host until all that the forward stream has queued has run: what a step that failed
+        half-way through leaves behind (reads of the shared tables that no event or fence covers)."""
+        if self.cuda:
+            self.forward_stream.synchronize()
+        if self.hazards:
+            self.hazards.host_wait(self.hazards.record("forward"), site)
 
     @contextmanager
     def on(self, stream: str, wait: bool = False) -> Iterator[None]:

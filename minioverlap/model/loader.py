@@ -11,6 +11,7 @@ would produce wrong tokens with no warning.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -43,6 +44,9 @@ KINDS = {
 
 def resolve_model_dir(model: str | Path) -> Path:
     """A shipped model's name ("tiny") or a path -> the checkpoint directory."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise CheckpointError(f"model must be a shipped model's name ({', '.join(SHIPPED)}) or a checkpoint "
+                              f"directory, got {model!r}")
     if str(model) in SHIPPED:
         return SHIPPED[str(model)]
     path = Path(model)

@@ -85,9 +85,8 @@ class Scheduler:
                              f"pages; the pool has {pool}")
 
     def submit(self, reqs: list[Req]) -> None:
-        """Queue a run's requests ahead of anything already in the inbox: an abort sent for one of them
-        before the run began then finds it."""
-        self.inbox.extendleft(("add", req) for req in reversed(reqs))
+        """Queue a run's requests for its first receive."""
+        self.inbox.extend(("add", req) for req in reqs)
 
     def add_request(self, req: Req) -> None:
         """Queue a request for the next receive (a run in progress)."""
