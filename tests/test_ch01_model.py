@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import CODE_PROMPTS, _hf_model, hf_greedy, random_checkpoint, run_example
+from conftest import CODE_PROMPTS, TINY, _hf_model, hf_greedy, random_checkpoint, run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.reference.contiguous import ContiguousCache
 from minioverlap.model.loader import CheckpointError
@@ -301,6 +301,7 @@ def test_rmsnorm_equals_transformers_on_zero_and_tiny_inputs(dtype):
     torch.testing.assert_close(out[1].float(), by_hand, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
 
 
+@pytest.mark.process
 def test_the_example_completes_the_prompt_with_transformers_tokens():
     """`python examples/ch01_model.py` prints the prompt's ids, a completion that starts with the prompt,
     and says that its 48 tokens equal transformers' greedy tokens."""
@@ -322,13 +323,12 @@ def test_every_option_of_the_command_line_says_what_it_does():
     assert "generate" in commands and bare == []
 
 
+@pytest.mark.process
 def test_the_command_line_names_a_broken_config_json_and_prints_no_traceback(tmp_path):
     """A checkpoint whose config.json is not JSON: `minioverlap generate` exits with status 2 and one
     error line that names the file, not a Python traceback."""
     import subprocess
     import sys
-
-    from conftest import TINY
 
     model = tmp_path / "broken"
     model.mkdir()

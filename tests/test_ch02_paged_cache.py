@@ -137,6 +137,7 @@ def test_extend_attention_after_a_cached_prefix_equals_full_attention():
     assert torch.equal(pool.k[0][loc], k) and torch.equal(pool.v[0][loc], v), "the new K/V are in the pool"
 
 
+@pytest.mark.process
 def test_the_example_shows_equal_tokens_and_the_pages_of_one_request():
     """`python examples/ch02_paged_cache.py` finds chapter 01's tokens with pages of 1, 4 and 16 slots,
     then draws a 9-token prompt in pages of 4: pages 1, 2 and 3, position 8 in KV slot 12, 4 pages free."""

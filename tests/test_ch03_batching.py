@@ -88,17 +88,18 @@ def test_temperature_is_applied_once_before_top_p(temperature, kept):
 
 
 def test_top_p_at_an_exact_tie_keeps_the_smallest_set_that_reaches_p():
-    """Probabilities .5 .25 .25 and top_p=.75 keep two tokens, the .5 and one .25 (mass exactly p), as
-    transformers' TopPLogitsWarper does. The rule: a token is dropped once the tokens ranked above it
-    already hold >= p, so the kept set is the smallest whose mass reaches p, p itself included; not all
-    three (the third is past p), not the .5 alone (short of p). Which of the tied .25s stays is a
-    tie-break, not the rule (transformers keeps the later index), so only their count is checked."""
-    logits = torch.tensor([0.5, 0.25, 0.25]).log()
-    assert logits.softmax(-1).tolist() == [0.5, 0.25, 0.25], "exact: no rounding decides the tie"
-    ref = kept_by_transformers(logits, 1.0, 0.75)
-    got = drawn(logits, SamplingParams(temperature=1.0, top_p=0.75), n=400)
-    assert len(ref) == 2 and 0 in ref
-    assert len(got) == 2 and 0 in got, f"kept {sorted(got)}: two tokens, the .5 and one .25"
+    """Four tokens of equal logits and top_p=.5 keep two, the mass exactly p, as transformers'
+    TopPLogitsWarper does. Every probability (.25) and every sum of them is exact in binary, so no
+    rounding decides the tie: the rule does. A token is dropped once the tokens ranked above it already
+    hold >= p, so the kept set is the smallest whose mass reaches p, p itself included; not three (the
+    third has .5 above it: a rule of > p would keep it), not one (.25 is short of p). Which two of the
+    equal tokens stay is a tie-break, not the rule, so only their count is checked."""
+    logits = torch.zeros(4)
+    assert logits.double().softmax(-1).cumsum(-1).tolist() == [0.25, 0.5, 0.75, 1.0], "exact in float64"
+    ref = kept_by_transformers(logits, 1.0, 0.5)
+    got = drawn(logits, SamplingParams(temperature=1.0, top_p=0.5), n=400)
+    assert len(ref) == 2, f"transformers kept {sorted(ref)}"
+    assert len(got) == 2, f"kept {sorted(got)}: two of the four equal tokens, whose mass is exactly p"
 
 
 def test_finished_requests_leave_the_batch(llm):
@@ -145,6 +146,7 @@ def test_bad_sampling_params_name_the_field_and_the_limit(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.process
 def test_the_example_shows_each_prompt_equal_to_its_solo_run_and_the_seed_kept():
     """`python examples/ch03_batching.py`: five prompts in one batch, each equal to its solo run, and a
     seeded sample that draws the same tokens alone and in a batch."""
@@ -153,6 +155,7 @@ def test_the_example_shows_each_prompt_equal_to_its_solo_run_and_the_seed_kept()
     assert "5 prompts: " in out and "same tokens: True" in out
 
 
+@pytest.mark.process
 def test_the_command_line_samples_with_the_options_it_is_given():
     """`minioverlap generate --temperature --top-k --top-p --seed --max-tokens` streams the tokens that
     LLM.generate samples with the same SamplingParams; a bad option is refused by name, with no traceback."""

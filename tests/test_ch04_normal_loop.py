@@ -186,6 +186,7 @@ def test_check_integrity_catches_a_lost_page_and_a_double_owner(llm):
     llm.check_integrity()
 
 
+@pytest.mark.process
 def test_the_command_line_streams_and_traces():
     """`minioverlap generate` prints the completion; `minioverlap trace` prints the normal loop's order."""
     gen = subprocess.run([sys.executable, "-m", "minioverlap", "generate", "def f(x):", "--max-tokens", "5"],
@@ -246,6 +247,7 @@ def test_a_stop_token_that_is_also_the_max_tokens_th_token_finishes_with_stop():
     llm.check_integrity()
 
 
+@pytest.mark.process
 def test_the_example_prints_the_normal_loops_order_and_the_five_phases():
     """`python examples/ch04_normal_loop.py` prints the normal loop's order for one request of three
     tokens (in every later stage too, where the overlap loop is the default), then 32 steps of 16

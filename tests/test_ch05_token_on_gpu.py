@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import run_example
@@ -59,6 +60,7 @@ def test_the_sampler_writes_the_next_input_into_token_pool():
     assert torch.equal(nxt.input_ids.cpu(), out.next_tokens.cpu())
 
 
+@pytest.mark.process
 def test_the_example_shows_the_host_one_step_behind_the_device():
     """`python examples/ch05_token_on_gpu.py`: right after launching step N the host's seq_len counts
     it (8 + N for a 9-token prompt), it has received N - 2 tokens, the device holds N; the six tokens

@@ -110,6 +110,7 @@ def test_a_step_driven_by_hand_waits_for_the_callers_stream():
     assert [req.output_ids for req in reqs] == expected
 
 
+@pytest.mark.process
 def test_trace_compare_prints_both_orders_and_writes_a_perfetto_file(tmp_path):
     """`minioverlap trace --compare --chrome FILE` prints both exact orders and writes trace-event JSON
     with one process per loop."""
@@ -141,6 +142,7 @@ def test_the_chrome_trace_has_a_track_for_the_forward_stream_when_there_are_gpu_
     assert gpu == [("step 1", 0.0, 1500.0), ("step 2", 1625.0, 875.0), ("step 3", 2750.0, 250.0)]
 
 
+@pytest.mark.process
 def test_the_timeline_notebook_runs():
     """examples/ch06_timelines.ipynb runs top to bottom on the tiny model (both loops, no error) and
     draws its timelines: two figures, and on a machine without a GPU a third, the recorded H200 trace."""
@@ -157,6 +159,7 @@ def test_the_timeline_notebook_runs():
     assert len(images) == (2 if torch.cuda.is_available() else 3), "without a GPU, the recorded H200 trace too"
 
 
+@pytest.mark.process
 def test_the_example_prints_both_orders_and_equal_tokens():
     """`python examples/ch06_overlap_loop.py` prints the two loops' orders side by side and finds the
     same tokens in both for 16 requests."""
@@ -215,6 +218,7 @@ def test_gpu_spans_and_gaps_from_timing_events():
     assert trace.gpu_gaps_ms() == [0.125, 0.25]
 
 
+@pytest.mark.process
 def test_generate_serves_the_prompt_with_either_loop():
     """`minioverlap generate --loop normal` and `--loop overlap` stream the same completion."""
     outs = [subprocess.run([sys.executable, "-m", "minioverlap", "generate", "def f(x):", "--max-tokens", "6",
@@ -223,6 +227,7 @@ def test_generate_serves_the_prompt_with_either_loop():
     assert outs[0].stdout == outs[1].stdout and "(6 tokens, finish_reason=length)" in outs[0].stdout
 
 
+@pytest.mark.process
 def test_trace_chrome_makes_its_folder_and_gives_every_event_its_slice(tmp_path):
     """`--chrome` into a folder that does not exist yet creates it. The host track has one slice per
     event, schedule 1 first, from the run's start: the slices follow one another with no gap. A path

@@ -230,6 +230,7 @@ def test_random_schedules_overlap_equals_normal(seed):
     assert results[True] == results[False]
 
 
+@pytest.mark.process
 def test_the_example_shows_the_naive_replies_against_the_fixed_ones():
     """`python examples/ch07_one_step_late.py`: with max_tokens=5 the naive handling marks the fourth
     reply finished (early-finish), the fixed one the fifth; after the stop token the naive handling

@@ -377,6 +377,7 @@ def test_the_checker_agrees_with_a_brute_force_oracle_on_random_histories():
     assert 500 < races < 2500              # both outcomes are well represented
 
 
+@pytest.mark.process
 def test_the_example_shows_the_checker_silent_with_every_guard_and_a_race_without_one():
     """`python examples/ch08_fence.py`: silent with the defaults and with the deferral instead of the
     fence; with the fence off a race on req_to_token, with the prompt on the schedule stream a race on

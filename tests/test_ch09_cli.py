@@ -16,6 +16,7 @@ def generate(*args: str) -> subprocess.CompletedProcess:
                            *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.process
 def test_generate_mtp_prints_the_plain_text_and_the_accept_length():
     """`--mtp 3` (without --loop: the normal loop) streams exactly the plain greedy completion, then the
     accept length: tokens / verify steps, each at least one token and at most k+1."""
@@ -30,6 +31,7 @@ def test_generate_mtp_prints_the_plain_text_and_the_accept_length():
     assert length > 1.5                          # the tiny model's MTP layer drafts well on code
 
 
+@pytest.mark.process
 def test_generate_mtp_refuses_the_overlap_loop():
     """MTP runs in the normal loop until chapter 12: `--loop overlap --mtp 3` is a clear error, not a traceback."""
     if spec_overlap():

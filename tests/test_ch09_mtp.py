@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_as_fresh, no_hang, probe_tokens, random_checkpoint, spec_overlap, window_slack
+from conftest import assert_as_fresh, no_hang, probe_tokens, random_checkpoint, run_example, spec_overlap, window_slack
 from minioverlap import LLM, SamplingParams
 from minioverlap.engine import accept as accept_rules
 from minioverlap.engine import speculative
@@ -635,14 +635,13 @@ def test_accept_sampled_with_top_p_judges_by_the_renormalised_distribution(p, to
         assert abs(observed - q) <= 4 * math.sqrt(q * (1 - q) / n), (observed, q)
 
 
+@pytest.mark.process
 def test_the_example_shows_windows_and_an_accept_length_on_plain_greedys_tokens():
     """`python examples/ch09_mtp.py`: the run of one prompt and of the card's five prompts each say their
     tokens equal plain greedy's, and the accept length over the five is at least DESIGN.md's 1.8."""
-    import re
-    from conftest import run_example
     out = run_example("examples/ch09_mtp.py")
     assert "same tokens as plain greedy: True" in out
     assert "same tokens as plain greedy on 5 of 5 prompts" in out
-    tokens, steps = map(int, re.search(r"all prompts: accept length [\d.]+ \((\d+) tokens in (\d+) verify steps\)",
+    tokens, steps = map(int, re.search(r"all prompts: accept length [\d.]+ \((\d+) tokens in (\d+) passes, 5 of them prefills\)",
                                        out).groups())
     assert tokens == 5 * 64 and tokens / steps >= 1.8

@@ -3,9 +3,12 @@ buffers; the next step gets slot numbers from the host and lays its window out f
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from conftest import run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.device.hazard import HazardChecker, HazardError
 from minioverlap.engine.forward_batch import ForwardMode
@@ -119,11 +122,10 @@ def test_defaults_are_silent_with_the_relay():
     llm.check_integrity()
 
 
+@pytest.mark.process
 def test_the_example_hands_the_step_slot_numbers_and_the_step_finds_its_window():
     """`python examples/ch10_relay.py`: what the host hands over has request slots and no positions; after
     resolve, each slot's positions start at its relay row's new_seq_lens."""
-    import re
-    from conftest import run_example
     out = run_example("examples/ch10_relay.py")
     assert re.search(r"req_pool_indices\s+\[1, 2\]", out) and re.search(r"positions\s+None", out)
     lens = [int(m) for m in re.findall(r"│ [12]\s+│ [01]\s+│ (\d+)\s+│", out)]

@@ -172,6 +172,7 @@ def test_a_request_that_fills_its_context_runs_to_its_last_token(overlap):
     llm.check_integrity()
 
 
+@pytest.mark.process
 def test_the_example_replays_figure_7():
     """`python examples/ch11_two_windows.py`: Figure 7 replayed with the engine's reservation_end under the
     overlap loop's lag gives the article's rows (the host counts 100, 100, 103, 107; the row is filled to

@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import run_example
 
 
+@pytest.mark.process
 def test_the_chapters_example_shows_equal_tokens_and_one_wasted_window_per_request():
     """The example serves two requests (max_tokens=24, k=3) in both loops: the same tokens, equal to plain
     greedy; in the overlap loop each request is launched once more in the step after the one that finished
@@ -42,6 +45,7 @@ def event_order(text: str, loop: str) -> list[str]:
     return m[1].split(", ")
 
 
+@pytest.mark.process
 def test_trace_compare_mtp_prints_both_loops_of_a_speculative_run(tmp_path):
     """`minioverlap trace --compare --mtp 3 --max-tokens 8` runs one speculative request in both loops and
     prints both: the normal loop alternates launch N, handle N; the overlap loop launches N+1 before it

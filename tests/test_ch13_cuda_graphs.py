@@ -85,6 +85,7 @@ def test_cuda_graphs_none_is_off_on_a_cpu_and_true_is_refused():
             LLM(model="tiny", device="cpu", cuda_graphs=bad)
 
 
+@pytest.mark.process
 def test_the_example_shows_the_sizes_and_the_padding_of_a_batch_of_5():
     out = " ".join(run_example("examples/ch13_cuda_graphs.py").split())
     assert "max_running=16 captured sizes [1, 2, 4, 8, 16]" in out

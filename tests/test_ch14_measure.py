@@ -70,6 +70,7 @@ def test_the_recorded_gaps_are_what_the_chapter_says():
         assert gaps == sorted(gaps)
 
 
+@pytest.mark.process
 def test_the_example_prints_each_configuration_s_gain_from_the_record():
     out = run_example("examples/ch14_measure.py")
     rows = recorded()

@@ -3,7 +3,7 @@
     python tools/bench.py                                    # tiny, 0.6b and 8b, batch 1 4 16 64, every system
     python tools/bench.py --shapes 8b --batches 16 64 --cache-dir /tmp/ckpt --out bench.json   # add to a sweep
     python tools/bench.py --systems hf-compile overlap-graphs --tokens 64 --repeats 5
-    python tools/bench.py --report bench.json --png bench.png     # no GPU: the table and plot of a recorded run
+    python tools/bench.py --report runs/bench.json               # no GPU: the table, and runs/bench.png, of a recorded run
     python tools/bench.py --shapes 8b --batches 1 --profile --chrome trace.json   # where a step's time goes
     python tools/bench.py --shapes tiny --mtp 3             # plain against MTP, the tiny model's own drafts
 
@@ -23,8 +23,8 @@ tokens a step), that against the HBM bound (the weight bytes a plain decode step
 bandwidth measured in the same run), the ratio to hf-compile, for minioverlap the median GPU gap
 between steps and the host's CPU time per step (every phase but `wait`), and for MTP the accept length
 (tokens committed per verify step). Results are merged into --out after each batch size, so a long
-sweep can run as several commands, and plotted to --png (tokens/s against batch size). Each shape runs
-in a process of its own.
+sweep can run as several commands, and plotted to --png (tokens/s against batch size; by default beside
+the JSON, --out's or --report's, named as it with .png). Each shape runs in a process of its own.
 
 --profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler): how many,
 their GPU time, and the costliest by name. --chrome FILE writes both loops' event traces at batch 1 with
@@ -421,7 +421,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"what runs: {', '.join(SYSTEMS)} (default all)")
     parser.add_argument("--cache-dir", help="where the checkpoints are made and kept for later runs (default: a temp dir, removed)")
     parser.add_argument("--out", default="bench.json", help="the JSON the results are merged into")
-    parser.add_argument("--png", default="bench.png", help="the plot")
+    parser.add_argument("--png", help="the plot (default: beside the JSON, --out's or --report's, ending .png)")
     parser.add_argument("--profile", action="store_true", help="also profile one graphed decode step per shape")
     parser.add_argument("--chrome", metavar="FILE", help="also write both loops' traces (first shape, batch 1, graphs)")
     parser.add_argument("--report", metavar="FILE", help="no run: print the table (and plot) of a recorded JSON")
@@ -435,7 +435,7 @@ def shape_by_shape(args: argparse.Namespace) -> dict:
         cmd = [sys.executable, __file__, "--shapes", shape, "--batches", *map(str, args.batches),
                "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                "--mtp", str(args.mtp),
-               "--systems", *args.systems, "--out", args.out, "--png", args.png,
+               "--systems", *args.systems, "--out", args.out, *(["--png", args.png] if args.png else []),
                *(["--cache-dir", args.cache_dir] if args.cache_dir else []), *(["--profile"] if args.profile else []),
                *(["--chrome", args.chrome] if args.chrome and i == 0 else [])]
         if subprocess.run(cmd).returncode:
@@ -460,7 +460,12 @@ def main(argv: list[str] | None = None) -> None:
         except MergeError as e:
             raise SystemExit(f"--out {args.out}: {e}") from e
     report(record)
-    plot(record, Path(args.png))
+    plot(record, png_path(args))
+
+
+def png_path(args: argparse.Namespace) -> Path:
+    """--png, or the JSON read (--report) or written (--out) with the suffix .png, in the JSON's folder."""
+    return Path(args.png) if args.png else Path(args.report or args.out).with_suffix(".png")
 
 
 if __name__ == "__main__":

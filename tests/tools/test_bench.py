@@ -21,9 +21,9 @@ BENCH = ROOT / "tools" / "bench.py"
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "bench_format.json"
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
+def run_bench(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, str(BENCH), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -62,6 +62,61 @@ def test_report_prints_the_fixture_with_ratios_to_hf_compile(tmp_path):
     assert "15.14 GB read per step" in out and "HBM bound 3.520 ms/step" in out
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def cells(text: str, *parts: str) -> list[str]:
+    """The cells of the one table line that holds every part."""
+    return [c.strip() for c in line_of(text, *parts).strip().strip("│").split("│")]
+
+
+def test_rows_from_hand_made_samples_have_the_hand_computed_bound_ratios_and_tokens_per_second(capsys):
+    """bench.row on samples (wall s, GPU gap, CPU ms/step, accept) made by hand, batch 4 of 128 tokens,
+    1.5 GB of weights at 3 TB/s: the bound is 1.5e9 / 3e12 = 0.5 ms whatever the batch; overlap-graphs'
+    median wall 0.256 s is 2.0 ms a step, 4x the bound, 4 * 128 / 0.256 = 2000 tok/s; hf-compile's 0.512 s
+    is 1000 tok/s, so the report shows overlap-graphs at 2.00x it; MTP's 0.128 s is 1.0 ms a token.
+    Medians skip the probes that gave None; a system with none has none."""
+    bench = load_bench()
+    tokens, weight_bytes, bw = 128, 1_500_000_000, 3e12
+    samples = {
+        "hf-compile": [(0.6, None, None, None), (0.512, None, None, None), (0.5, None, None, None)],
+        "overlap-graphs": [(0.4, 0.01, 0.5, None), (0.256, None, 0.7, None), (0.25, 0.03, 0.6, None)],
+        "overlap-graphs-mtp": [(0.128, 0.02, 0.9, 2.5), (0.2, 0.02, 1.1, 3.0), (0.1, 0.02, 1.0, 2.0)],
+    }
+    rows = {name: bench.row("0.6b", 4, name, s, tokens, weight_bytes, bw, 3) for name, s in samples.items()}
+    common = {"shape": "0.6b", "batch": 4, "hbm_ms": 0.5, "weights_GB": 1.5}
+    assert rows["hf-compile"] == {**common, "system": "hf-compile", "tok_s": 1000.0, "ms_step": 4.0, "x_hbm": 8.0,
+                                  "gap_ms": None, "cpu_ms": None}
+    assert rows["overlap-graphs"] == {**common, "system": "overlap-graphs", "tok_s": 2000.0, "ms_step": 2.0,
+                                      "x_hbm": 4.0, "gap_ms": 0.02, "cpu_ms": 0.6}
+    assert rows["overlap-graphs-mtp"] == {**common, "system": "overlap-graphs-mtp", "tok_s": 4000.0, "ms_step": 1.0,
+                                          "x_hbm": 2.0, "gap_ms": 0.02, "cpu_ms": 1.0, "mtp": 3, "accept": 2.5}
+    record = {"device": "a hand-made record", "torch": "-", "transformers": "-", "copy_GBps": 3000.0,
+              "prompt": 64, "tokens": tokens, "results": list(rows.values())}
+    bench.report(record)
+    out = capsys.readouterr().out
+    assert "1.50 GB read per step, HBM bound 0.500 ms/step" in out
+    assert cells(out, "│ hf-compile ") == ["4", "hf-compile", "1000", "4.00", "8.00", "1.00x", "-", "-", "-"]
+    assert cells(out, "│ overlap-graphs ") == ["4", "overlap-graphs", "2000", "2.00", "4.00", "2.00x", "0.020", "0.600", "-"]
+    assert cells(out, "│ overlap-graphs-mtp") == ["4", "overlap-graphs-mtp k=3", "4000", "1.00", "2.00", "4.00x", "0.020",
+                                                "1.000", "2.50"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed: no plot")
+def test_report_writes_its_plot_beside_the_json_or_to_png_never_into_the_working_directory(tmp_path):
+    runs, cwd = tmp_path / "runs", tmp_path / "cwd"
+    runs.mkdir()
+    cwd.mkdir()
+    record = runs / "h200.json"
+    record.write_text(FIXTURE.read_text())
+    done = run_bench("--report", str(record), cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    assert (runs / "h200.png").read_bytes().startswith(b"\x89PNG") and f"wrote {runs / 'h200.png'}" in done.stdout
+    assert list(cwd.iterdir()) == []
+    done = run_bench("--report", str(record), "--png", str(tmp_path / "elsewhere.png"), cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "elsewhere.png").read_bytes().startswith(b"\x89PNG")
+    assert list(cwd.iterdir()) == [] and sorted(p.name for p in runs.iterdir()) == ["h200.json", "h200.png"]
+    assert load_bench().png_path(load_bench().parse_args([])) == Path("bench.png")    # a run: beside --out
 
 
 def test_merge_replaces_a_remeasured_row_and_keeps_the_rest():
