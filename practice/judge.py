@@ -15,14 +15,17 @@ with the tests that must pass and the hints to give:
 Stages are built by tools/steps.py; `--root DIR` points every command at another book (the tools'
 own tests use a small fixture book). Progress lives in ROOT/practice/workspace/progress.json.
 
-A hint is a string, or a table `{ text = "...", when = "test name substring" }`: a hint with `when` is
-given first when a failed test's node id contains that substring. The last hint of an exercise is its
-solution: `hint` and `test` never give it; `hint ID --solution` (or `--all`) does.
+A hint is a string, or a table `{ text = "...", when = "..." }` (`when` may be a list of strings): a
+hint with `when` belongs to a failure whose test's node id or error text (its message, the failing
+line, the error's lines) contains one of them, and is given first for it, the first failure's first.
+The last hint of an exercise is its solution: `hint` and `test` never give it; `hint ID --solution`
+(or `--all`) does, and `check` refuses a hint before it that holds a piece of the reference's code.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +63,17 @@ class JudgeError(Exception):
 @dataclass(frozen=True)
 class Hint:
     text: str
-    when: str | None = None   # given first when a failed test's node id contains this
+    when: tuple[str, ...] = ()   # given first for a failure whose node id or error text holds one of these
+
+    def names(self, tests: list[str]) -> list[str]:
+        """The strings of `when` that are part of a test's name (the others match an error's text)."""
+        return [w for w in self.when if any(w in test for test in tests)]
+
+    def label(self, tests: list[str]) -> str:
+        """`(when early_finish fails)`, `(when stale_reply fails, or on `x not in list`)`; "" for none."""
+        names = self.names(tests)
+        about = [f"when {w} fails" for w in names] + [f"on `{w}`" for w in self.when if w not in names]
+        return f" ({', or '.join(about)})" if about else ""
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,11 @@ class Failure:
     message: str   # the assertion or exception line
     details: tuple[str, ...] = ()   # where it failed, the failing line, then the first lines of the error
 
+    @property
+    def error(self) -> str:
+        """Everything the failure says besides its name: what a hint's `when` is also matched against."""
+        return "\n".join([self.message, *self.details]).strip()
+
 
 # ---------------------------------------------------------------- the registry and progress
 
@@ -127,14 +146,17 @@ def _exercise(entry: dict, path: Path) -> Exercise:
 
 
 def _hint(item: object, ex_id: str, path: Path) -> Hint:
-    """A hint of the registry: a string, or a table with `text` and an optional `when`."""
+    """A hint of the registry: a string, or a table with `text` and an optional `when`, a string or a
+    list of strings."""
     if isinstance(item, str):
         return Hint(item)
-    if (isinstance(item, dict) and isinstance(item.get("text"), str) and set(item) <= {"text", "when"}
-            and isinstance(item.get("when", ""), str)):
-        return Hint(item["text"], item.get("when") or None)
-    raise JudgeError(f"{path}: exercise '{ex_id}': a hint must be a string or "
-                     f"{{ text = \"...\", when = \"test name substring\" }}, got {item!r}")
+    if isinstance(item, dict) and isinstance(item.get("text"), str) and set(item) <= {"text", "when"}:
+        when = item.get("when", [])
+        when = [when] if isinstance(when, str) else when
+        if isinstance(when, list) and all(isinstance(w, str) for w in when):
+            return Hint(item["text"], tuple(w for w in when if w))
+    raise JudgeError(f"{path}: exercise '{ex_id}': a hint must be a string or {{ text = \"...\", "
+                     f"when = \"part of a test's name or of its error\" (or a list of them) }}, got {item!r}")
 
 
 def find_exercise(exercises: list[Exercise], ex_id: str) -> Exercise:
@@ -153,8 +175,8 @@ def workspace(root: Path) -> Path:
 
 
 def load_progress(root: Path) -> dict[str, dict]:
-    """{id: {"status": "started" | "passed", "hints_seen": [index, ...], "last_failed": [node, ...]}};
-    empty before the first start."""
+    """{id: {"status": "started" | "passed", "hints_seen": [index, ...],
+    "last_failed": [{"node": node id, "error": what it said}, ...]}}; empty before the first start."""
     path = workspace(root) / "progress.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -273,13 +295,18 @@ def cmd_list(root: Path) -> int:
     files = marker_files(root)
     table = Table(title="Exercises", title_justify="left")
     for column in ("id", "title", "chapter", "file to edit", "progress"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column != "title")   # only a title may wrap, never a path
     colours = {"passed": "green", "started": "yellow", "not started": "dim"}
     for ex in exercises:
         state = status(root, progress, ex)
         table.add_row(ex.id, escape(ex.title), f"{ex.chapter:02d}", escape(files.get(ex.id, "?")),
                       f"[{colours[state]}]{state}[/]")
-    console.print(table)
+    # Rich fits a table to the console, cutting what does not fit, and when stdout is not a terminal
+    # (a pipe, a file) it assumes 80 columns. A terminal wide enough for the table with its titles
+    # wrapped gets it so; a pipe, a file or a narrower terminal gets it whole, one line per exercise.
+    size = Measurement.get(console, console.options.update_width(10_000), table)
+    fits = console.is_terminal and console.width >= size.minimum
+    (console if fits else Console(soft_wrap=True, highlight=False, width=size.maximum)).print(table)
     passed = sum(status(root, progress, ex) == "passed" for ex in exercises)
     done = round(30 * passed / max(len(exercises), 1))
     console.print(f"[green]{'█' * done}[/][dim]{'░' * (30 - done)}[/] {passed}/{len(exercises)} passed")
@@ -339,7 +366,7 @@ def cmd_test(root: Path, ex_id: str, whole_stage: bool = False, verbose: bool = 
         console.print(f"a hint: `{escape(_command(root, 'hint', ex.id))}`")
         return 1
     failures = _report_failures(root, stage, ex, code, output, verbose)
-    entry["last_failed"] = [failure.node for failure in failures]
+    entry["last_failed"] = [{"node": failure.node, "error": failure.error} for failure in failures]
     save_progress(root, progress)
     _show_next_hint(root, ex, progress)
     return 1
@@ -397,15 +424,26 @@ def cmd_hint(root: Path, ex_id: str, show_all: bool = False, solution: bool = Fa
     return 0
 
 
-def next_clue(ex: Exercise, seen: set[int], failed: list[str]) -> int | None:
-    """The index of the hint to give next, never the solution: one unseen whose `when` names a failed
-    test, else the first unseen without `when`; with no failure known, the first unseen of all."""
+def next_clue(ex: Exercise, seen: set[int], failed: list[Failure]) -> int | None:
+    """The index of the hint to give next, never the solution. The failures are taken in the order
+    they failed; for each, first an unseen hint whose `when` is in its error (what actually went wrong:
+    a test named after one bug may fail with another's error), then one whose `when` is in its node id.
+    Failing those, the first unseen hint without `when`; with no failure known, the first unseen of all."""
     unseen = [i for i in range(len(ex.clues)) if i not in seen]
     if not failed:
         return unseen[0] if unseen else None
-    matching = [i for i in unseen if ex.clues[i].when and any(ex.clues[i].when in node for node in failed)]
-    general = [i for i in unseen if not ex.clues[i].when]
-    return (matching or general or [None])[0]
+    for failure in failed:
+        for text in (failure.error, failure.node):
+            found = [i for i in unseen if any(w in text for w in ex.clues[i].when)]
+            if found:
+                return found[0]
+    return next((i for i in unseen if not ex.clues[i].when), None)
+
+
+def last_failures(entry: dict) -> list[Failure]:
+    """The failures of the last `test`, as progress.json keeps them (a node id alone, before)."""
+    return [Failure(item, "") if isinstance(item, str) else Failure(item["node"], item.get("error", ""))
+            for item in entry.get("last_failed", [])]
 
 
 def _show_next_hint(root: Path, ex: Exercise, progress: dict[str, dict]) -> None:
@@ -414,7 +452,7 @@ def _show_next_hint(root: Path, ex: Exercise, progress: dict[str, dict]) -> None
         return
     entry = progress.setdefault(ex.id, {})
     seen = set(entry.get("hints_seen", range(entry.get("hints_shown", 0))))  # hints_shown: a count, before
-    index = next_clue(ex, seen, entry.get("last_failed", []))
+    index = next_clue(ex, seen, last_failures(entry))
     if index is None:
         given = len(seen & set(range(len(ex.clues))))
         if not ex.clues:
@@ -435,8 +473,8 @@ def _show_next_hint(root: Path, ex: Exercise, progress: dict[str, dict]) -> None
 
 def _print_hint(ex: Exercise, index: int) -> None:
     hint = ex.clues[index]
-    about = f" (when {escape(hint.when)} fails)" if hint.when else ""
-    console.print(f"[cyan]hint {index + 1}/{len(ex.clues)}[/] for {ex.id}{about}: {escape(hint.text)}")
+    console.print(f"[cyan]hint {index + 1}/{len(ex.clues)}[/] for {ex.id}{escape(hint.label(ex.tests))}: "
+                  f"{escape(hint.text)}")
 
 
 def _location(stage: Path, rel: str, ex_id: str, root: Path) -> str:
@@ -506,6 +544,7 @@ def check_structure(root: Path, exercises: list[Exercise], verdicts: dict[str, V
     try:
         markers = steps.find_exercises(root)
         chapters = {chapter.number for chapter in steps.load_registry(root).chapters}
+        code = reference_code(root)
     except steps.MarkerError as error:
         for verdict in verdicts.values():
             verdict.problems.append("not checked: the source's markers have errors")
@@ -524,12 +563,60 @@ def check_structure(root: Path, exercises: list[Exercise], verdicts: dict[str, V
         if not ex.hints:
             problems.append("has no hints")
         for number, hint in enumerate(ex.clues, 1):
-            if hint.when and not any(hint.when in test for test in ex.tests):
-                problems.append(f"hint {number}: when = '{hint.when}' is in none of its tests")
+            if (pieces := giveaways(hint.text, code.get(ex.id, []))):
+                problems.append(f"hint {number} gives the solution away: it holds the reference's "
+                                f"{' and '.join(f'`{piece}`' for piece in pieces)} (only the last hint may)")
         if ex.solution and ex.solution.when:
             problems.append("the last hint is the solution, which no failure gives: it takes no `when`")
     return [f"marker `# >>> exercise {m.id}` at {m.path}:{m.line} has no entry in practice/exercises.toml"
             for m in markers.values() if m.id not in verdicts]
+
+
+def reference_code(root: Path) -> dict[str, list[str]]:
+    """{exercise id: the lines of its solution region as its chapter's stage holds them}."""
+    book = steps.load_book(root)
+    return {b.exercise: steps.render(b.body, int(b.exercise.split(".")[0]), None, None, set())
+            for source in book.sources.values() for b in steps.blocks(source.nodes) if b.exercise}
+
+
+def giveaways(text: str, code: list[str]) -> list[str]:
+    """The pieces of the reference `code` that a hint's `text` holds, spaces, quotes and `self.` not
+    counted: a whole statement, an `if` with its body included (but a bare call, which only names what
+    to call, and a statement of one operand, such as `return None`), or an expression of three operands
+    or more (names and constants; a called function's own name is not one), such as
+    `seq_len + 2 * window`. A hint may name the functions and fields to use; it must not write the code
+    that combines them."""
+    source = textwrap.dedent("\n".join(code))
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:   # not Python (a region of another language): its lines, whole
+        return [line.strip() for line in source.splitlines()
+                if len(_flat(line)) >= 10 and not line.strip().startswith("#") and _flat(line) in _flat(text)]
+    found: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt):   # an `if` with its body, an assignment, a return
+            bare_call = isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            piece = _operands(node) >= 2 and not bare_call
+        else:
+            piece = (isinstance(node, ast.expr) and _operands(node) >= 3
+                     and not isinstance(node, (ast.Name, ast.Attribute, ast.Constant, ast.Starred)))
+        segment = ast.get_source_segment(source, node) if piece else None
+        if segment and _flat(segment) in _flat(text):
+            found.setdefault(_flat(segment), " ".join(segment.split()))
+    # a piece inside a longer one that the hint holds too is not named again
+    return [shown for flat, shown in found.items()
+            if not any(flat != other and flat in other for other in found)]
+
+
+def _operands(node: ast.AST) -> int:
+    """The names and constants of an expression or statement, a called function's own name not counted."""
+    callees = {id(n.func) for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    return sum(isinstance(n, (ast.Name, ast.Constant)) and id(n) not in callees for n in ast.walk(node))
+
+
+def _flat(code: str) -> str:
+    """Code compared as written: without spaces, with one kind of quote, without `self.`."""
+    return re.sub(r"\s+", "", code).replace("'", '"').replace("self.", "")
 
 
 def build_references(root: Path, verdicts: list[Verdict], tmp: Path) -> dict[int, Path]:
@@ -567,7 +654,9 @@ def build_stubs(root: Path, verdicts: list[Verdict], tmp: Path) -> dict[str, Pat
 
 
 def prove_stub(ex: Exercise, stub: Path) -> list[str]:
-    """Every test must fail on the stub: one that passes cannot catch a missing solution."""
+    """Every test must fail on the stub: one that passes cannot catch a missing solution. A hint's
+    `when` that is part of no test's name is an error's text: the stub's failures must show it (as
+    07.1's stub, chapter 06's code, shows `x not in list`), or the hint could be a typo never given."""
     code, output = run_tests(stub, [*ex.tests, "-rA"])  # -rA: PASSED lines in the summary too
     if code not in (0, 1, 2):
         return [f"pytest could not run the tests on the stub (exit {code}): {_last_line(output)}"]
@@ -579,6 +668,11 @@ def prove_stub(ex: Exercise, stub: Path) -> list[str]:
         problems += [f"the stub passes {node}: it cannot catch a missing solution" for node in passes]
         if not passes and not any(covers(failure.node, test) for failure in failures):
             problems.append(f"{test} does not fail on the stub (skipped?)")
+    for number, hint in enumerate(ex.clues, 1):
+        for when in hint.when:
+            if when not in hint.names(ex.tests) and not any(when in failure.error for failure in failures):
+                problems.append(f"hint {number}: when = '{when}' is in none of its tests' names, nor in "
+                                f"what they say when they fail on the stub")
     return problems
 
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-JUDGE = Path(__file__).resolve().parents[2] / "practice" / "judge.py"
+REPO = Path(__file__).resolve().parents[2]
+JUDGE = REPO / "practice" / "judge.py"
 _spec = importlib.util.spec_from_file_location("judge", JUDGE)
 judge = importlib.util.module_from_spec(_spec)
 sys.modules["judge"] = judge  # dataclasses look their module up there
@@ -150,6 +153,26 @@ def test_a_hint_with_when_comes_first_for_its_failing_test_and_never_for_another
     assert "hint 2/3 for 02.1 (when uppercases fails): Capitals first." in out
 
 
+def test_a_hint_whose_when_is_in_the_error_comes_before_one_for_the_tests_name(book_copy, capsys):
+    """Hints follow what failed, not the registry's order: a test named after one bug that fails with
+    another's error (07.1: early_finish failing with the stale reply's double free, `list.remove(x): x
+    not in list`) gets the hint for the error first; the hint for its name comes next, and `hint`,
+    with no test run between, still knows the error."""
+    edit(book_copy / "practice/exercises.toml", "hints = [",
+         'hints = [{ text = "Capitals first.", when = "uppercases" }, '
+         '{ text = "Something was freed twice.", when = "x not in list" }, ')
+    run(capsys, book_copy, "start", "02.1")
+    solve(book_copy, "[].remove(text); return text.upper()")     # a double free, of a kind
+    _, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert "ValueError: list.remove(x): x not in list" in out
+    assert "hint 2/3 for 02.1 (on `x not in list`): Something was freed twice." in out
+    assert "Capitals first." not in out
+    _, out, _ = run(capsys, book_copy, "hint", "02.1")
+    assert "hint 1/3 for 02.1 (when uppercases fails): Capitals first." in out
+    _, out, _ = run(capsys, book_copy, "hint", "02.1")
+    assert "hint 3/3 for 02.1: str.upper() gives the capitals." in out
+
+
 def test_a_long_assertion_is_shown_whole_up_to_a_limit_and_verbose_shows_everything(book_copy, capsys):
     """An assertion message of several lines is shown line by line (not cut after its first); past
     the limit the rest is left to `--verbose`, which prints pytest's whole output as well."""
@@ -207,6 +230,60 @@ def test_the_script_runs_with_root_after_the_command(book_copy):
     assert "02.1" in result.stdout and "0/1 passed" in result.stdout
 
 
+def test_list_shows_a_long_file_path_whole_when_stdout_is_not_a_terminal(book_copy):
+    """Piped, rich assumes 80 columns and would cut the table's file column (`minibook/punc…`): the
+    path to edit is shown whole, on one line, with COLUMNS unset or 80."""
+    long = "minibook/punctuation/exclamation_marks_for_every_text_that_needs_shouting.py"
+    (book_copy / long).parent.mkdir()
+    (book_copy / long).write_text('def exclaim(text: str) -> str:\n    """`text` with a bang."""\n'
+                                  '    # >>> exercise 01.1: exclaim a text, loudly and at length\n'
+                                  '    return text + "!"\n    # <<< exercise 01.1\n')
+    add_exercise(book_copy, f'id = "01.1"\ntitle = "exclaim a text, loudly and at length"\n'
+                            f'tests = ["{TEST_NODE}"]\nhints = ["A bang.", "text + the bang"]\n')
+    env = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
+    for columns in (None, "80"):
+        result = subprocess.run([sys.executable, str(JUDGE), "list", "--root", str(book_copy)],
+                                capture_output=True, text=True, timeout=60,
+                                env=env if columns is None else {**env, "COLUMNS": columns})
+        assert result.returncode == 0, result.stderr
+        rows = [line for line in result.stdout.splitlines() if "01.1" in line and long in line]
+        assert rows, f"COLUMNS={columns}: the row of 01.1 is cut:\n{result.stdout}"
+        assert "exclaim a text" in result.stdout and "minibook/words.py" in result.stdout
+
+
+# ---------------------------------------------------------------- hints do not give the solution away
+
+
+def test_no_hint_but_the_last_writes_a_piece_of_its_exercises_reference_code():
+    """In the book's registry, every hint but the last (the solution, which only `--solution` shows)
+    is compared with the exercise's reference region, as the judge finds it in the source: none may
+    hold a whole statement of it, or an expression of three operands or more (spaces, quotes and
+    `self.` aside). The comparison is live: each region, pasted whole into a hint, is caught, and so is
+    11.1's old hint, which spelled out `seq_len + 2*window`."""
+    code = judge.reference_code(REPO)
+    exercises = judge.load_exercises(REPO)
+    for ex in exercises:
+        region = code.get(ex.id)
+        assert region, f"{ex.id}: no reference region found"
+        assert judge.giveaways("\n".join(region), region), f"{ex.id}: its region, whole, is not caught"
+    found = {f"{ex.id} hint {number}": judge.giveaways(hint.text, code[ex.id])
+             for ex in exercises for number, hint in enumerate(ex.clues, 1)}
+    assert {where: pieces for where, pieces in found.items() if pieces} == {}
+    old = "... and writes window positions from there: its last position is at most seq_len + 2*window - 1."
+    assert judge.giveaways(old, code["11.1"]) == ["seq_len + 2 * window"]
+    for hint in judge.find_exercise(exercises, "11.1").clues:     # the issue's case: nor the rule's shape
+        assert "max(" not in hint.text and "2*window" not in re.sub(r"\s", "", hint.text)
+
+
+def test_check_fails_when_a_hint_before_the_last_writes_the_solution(book_copy, capsys):
+    """A hint that holds a statement of the reference (`return text.upper() + '!'`) gives the answer
+    away before the learner asks for it: the check names the hint and the piece."""
+    edit(book_copy / "practice/exercises.toml", "hints = [", "hints = [\"Write return text.upper() + '!'.\", ")
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert """hint 1 gives the solution away: it holds the reference's `return text.upper() + "!"`""" in out
+
+
 # ---------------------------------------------------------------- the author's check fails
 
 
@@ -239,6 +316,19 @@ def test_check_fails_when_a_hint_names_no_test_of_its_exercise(book_copy, capsys
     edit(book_copy / "practice/exercises.toml", '{ text = "x", when = "test_nowhere" }', "{ txt = 1 }")
     code, _, err = run(capsys, book_copy, "list")
     assert code == 2 and "a hint must be a string or { text" in err
+
+
+def test_check_proves_a_when_of_error_text_on_the_stubs_failures(book_copy, capsys):
+    """A `when` that is part of no test's name must be in what the tests say when they fail on the
+    stub (here its NotImplementedError), else the hint could never be given; a list may mix both."""
+    edit(book_copy / "practice/exercises.toml", "hints = [", 'hints = [{ text = "x", when = ["uppercases", '
+         '"NotImplementedError: exercise 02.1"] }, { text = "y", when = "x not in list" }, ')
+    code, out, _ = run(capsys, book_copy, "check")
+    assert code == 1
+    assert "hint 2: when = 'x not in list' is in none of its tests' names, nor in what they say" in out
+    assert "hint 1" not in out
+    _, out, _ = run(capsys, book_copy, "hint", "02.1", "--all")
+    assert "hint 1/3 for 02.1 (when uppercases fails, or on `NotImplementedError: exercise 02.1`): x" in out
 
 
 def test_check_fails_when_an_exercise_has_no_tests_or_hints(book_copy, capsys):
