@@ -82,15 +82,17 @@ def main() -> None:
     tokens = [t for got in replies for t in got]
     same = tokens == plain.generate(PROMPT, params)[0].token_ids
     steps_run = len(replies)                           # one request: one reply per step, the prefill's too
-    console.print(f"accept length {len(tokens) / steps_run:.2f} ({len(tokens)} tokens in {steps_run} verify steps)",
+    console.print(f"accept length {len(tokens) / steps_run:.2f} ({len(tokens)} tokens in {steps_run} passes: the "
+                  f"prefill and {steps_run - 1} verify steps)",
                   highlight=False)
     console.print(f"same tokens as plain greedy: {same}", highlight=False)
     console.print(PROMPT + llm.decode(tokens), markup=False, highlight=False)
 
     params = SamplingParams(max_tokens=64)
     outs, plains = llm.generate(SAMPLE_PROMPTS, params), plain.generate(SAMPLE_PROMPTS, params)
-    table = Table("prompt", "tokens", "steps", "accept", "same", title=f"the tiny model's card prompts, greedy, "
-                  f"k={K}, one batch", caption="steps: verify steps; accept: tokens / steps; same: as plain greedy")
+    table = Table("prompt", "tokens", "passes", "accept", "same", title=f"the tiny model's card prompts, greedy, "
+                  f"k={K}, one batch", caption="passes: prefill + verifies; accept: tokens / passes; same: as plain "
+                  "greedy")
     table.columns[0].no_wrap = True
     for prompt, out, ref in zip(SAMPLE_PROMPTS, outs, plains):
         table.add_row(repr(prompt), str(len(out.token_ids)), str(out.verify_steps),
@@ -99,7 +101,8 @@ def main() -> None:
     total, verifies = sum(len(o.token_ids) for o in outs), sum(o.verify_steps for o in outs)
     same = sum(out.token_ids == ref.token_ids for out, ref in zip(outs, plains))
     console.print(f"same tokens as plain greedy on {same} of {len(outs)} prompts", highlight=False)
-    console.print(f"all prompts: accept length {total / verifies:.2f} ({total} tokens in {verifies} verify steps)",
+    console.print(f"all prompts: accept length {total / verifies:.2f} ({total} tokens in {verifies} passes, "
+                  f"{len(outs)} of them prefills)",
                   highlight=False)
 
 

@@ -3,13 +3,15 @@
 minioverlap/ holds the final engine. Markers in the source (`# >>> ch06: ...` / `# <<< ch06`) say
 when each block arrives; this tool derives the tree as of any chapter (a *stage*) and proves that
 every stage works: its tests pass, its example runs, every regression test catches the bug it was
-written for, the tests catch every bug planted in the registry, and every snippet in the chapters
-equals its stage's source. It also holds the source to rules that keep it readable as chapters pile
-up. tools/README.md holds the grammar; this file is the splitter and the checker.
+written for, the tests catch every bug planted in the registry, every snippet in the chapters
+equals its stage's source, every transcript is what its command prints, and every figure the prose
+quotes from a recorded run (chapters/figures/*.json) or a transcript is the number there. It also
+holds the source to rules that keep it readable as chapters pile up. tools/README.md holds the
+grammar; this file is the splitter and the checker.
 
     python tools/steps.py build N                  # build/stages/chNN/
     python tools/steps.py check [--chapters 1-3] [--no-proofs]
-    python tools/steps.py diff N [--code] | tree N | bugs N | snippets [--write]
+    python tools/steps.py diff N [--code] | tree N | bugs N | snippets [--write] | outputs [--chapters 9-14]
 
 practice/judge.py imports it (`sys.path.insert(0, "tools"); import steps`) for load_registry,
 build_stage, find_exercises and run_pytest.
@@ -22,9 +24,11 @@ import ast
 import difflib
 import importlib.util
 import io
+import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -660,8 +664,26 @@ def stage_env(stage: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(stage), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+PROCESS_MARK = "process: runs a program in a process of its own (an example, the command line, the notebook)"
+LEAVE_OUT_PROCESSES = '''"""tools/steps.py's own plugin for one stage's run: it leaves out the tests marked `process` of the
+chapters before {first}; they ran in their own chapter's stage and run again in the last."""
+import re
+
+
+def pytest_collection_modifyitems(config, items):
+    def earlier(item):
+        number = re.match(r"test_ch(\\d+)_", item.path.name)
+        return number is not None and int(number.group(1)) < {first}
+    left_out = [item for item in items if item.get_closest_marker("process") and earlier(item)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
+'''
+
+
 def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: float | None = None,
-               parallel: bool = False, one_thread: bool = False) -> subprocess.CompletedProcess:
+               parallel: bool = False, one_thread: bool = False,
+               processes_from: int = 0) -> subprocess.CompletedProcess:
     """Run pytest on `targets` in a stage, importing the stage's package, not an installed one.
 
     The run is hermetic: an ini file of its own stands in for any pytest config above the stage (a stage
@@ -669,15 +691,21 @@ def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: 
     pytest-timeout's per-test limit, so that a test that hangs fails with its name. `parallel`: one
     pytest-xdist worker per core (at most WORKERS), each with one torch thread, a test file per worker
     so that its module-scoped engines are built once; the tiny model's small operations gain more from
-    two processes than from two threads in one. `one_thread`: one torch thread (runs side by side)."""
+    two processes than from two threads in one. `one_thread`: one torch thread (runs side by side).
+    `processes_from`: leave out the `process` tests (examples, the command line) of earlier chapters."""
     stage, env = Path(stage).resolve(), stage_env(stage)
     workers = min(WORKERS, os.cpu_count() or 1) if parallel and importlib.util.find_spec("xdist") else 1
     spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     if workers > 1 or one_thread:
         env["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory(prefix="steps-ini-") as tmp:
-        (ini := Path(tmp) / "pytest.ini").write_text(f"[pytest]\ntimeout = {TEST_TIMEOUT}\n")
-        cmd = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-c", str(ini),
+        (ini := Path(tmp) / "pytest.ini").write_text(f"[pytest]\ntimeout = {TEST_TIMEOUT}\nmarkers =\n    {PROCESS_MARK}\n")
+        plugin = []
+        if processes_from:
+            (Path(tmp) / "steps_stage.py").write_text(LEAVE_OUT_PROCESSES.format(first=processes_from))
+            env["PYTHONPATH"] += os.pathsep + tmp
+            plugin = ["-p", "steps_stage"]
+        cmd = [sys.executable, "-m", "pytest", *targets, *plugin, "-p", "no:cacheprovider", "-c", str(ini),
                "--rootdir", str(stage), "--confcutdir", str(stage), *spread, *["-q"] * quiet]
         return _run(cmd, stage, env, timeout)
 
@@ -789,7 +817,9 @@ def snippet_source(stage: Path, ref: str) -> list[str]:
 
 
 def check_markdown(md: Path, stage: Path, rel: str) -> tuple[list[str], str]:
-    """Compare every snippet block of one chapter with its stage; returns (errors, repaired text)."""
+    """Compare every snippet block of one chapter with its stage, every figure with its recorded run and
+    every quote with the chapter's transcripts (and read the transcripts' markers, which
+    check_transcripts runs); returns (errors, the text with the snippets repaired)."""
     lines, errors, out, i = md.read_text().splitlines(), [], [], 0
     while i < len(lines):
         out.append(lines[i])
@@ -812,6 +842,7 @@ def check_markdown(md: Path, stage: Path, rel: str) -> tuple[list[str], str]:
             errors.append(f"{where}: drifted from the stage's source\n" + "\n".join(diff[2:14]))
         out += [lines[i], *source]
         i = end
+    errors += transcripts("\n".join(lines), rel)[1] + figure_errors(lines, stage, rel) + quote_errors(lines, rel)
     return errors, "\n".join(out) + "\n"
 
 
@@ -819,6 +850,348 @@ def chapter_markdowns(book: Book) -> list[tuple[str, int]]:
     """chapters/NN-*.md with their chapter numbers."""
     return [(rel, n) for rel, n in book.files.items()
             if rel.startswith("chapters/") and NAMED["chapters"].match(rel.rsplit("/", 1)[-1])]
+
+
+# ---------------------------------------------------------------- transcripts and figures
+
+OUTPUT = re.compile(r"^<!-- output(?P<final> final)?(?:: (?P<cmd>\S.*?))? -->\s*$")
+FIG = re.compile(r"<!-- fig: (?P<file>\S+) (?P<rows>rows: )?(?P<exprs>\S.*?) -->")
+QUOTE = re.compile(r"<!-- out: (?P<texts>\S.*?) -->")
+LOOKS_LIKE_CHECKED = re.compile(r"<!--\s*(output|fig|out)\b")
+# a number as prose prints it, whole: 7, 0.375, 9,006, +9, -0.2, 2.4x (a sign only where no word or digit
+# precedes it; no part of a word such as H200 or ch09)
+NUMBER = re.compile(r"(?<![\w.,])[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d.,]\d|\d)")
+# in a transcript line: a number that changes from run to run, `~` alone or before the number one run printed
+VARIES = re.compile(r" *~(?:[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)? *")
+FIGURES = "chapters/figures"
+COLUMNS = "80"  # the terminal width transcripts are printed at (rich reads COLUMNS)
+FUNCTIONS = {"min": min, "max": max, "sum": lambda *v: sum(v), "abs": abs, "mean": lambda *v: sum(v) / len(v)}
+OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+             ast.Div: lambda a, b: a / b}
+
+
+class Transcript(NamedTuple):
+    """A fenced block that is a command's output: where it is, the command, its lines (the `$` line left out)."""
+    line: int                 # the marker's line, 1-based
+    command: str
+    final_only: bool          # `<!-- output final -->`: what the final tree prints, not the chapter's stage
+    shown: list[str]
+
+
+def fences(lines: list[str]) -> Iterator[tuple[int, int]]:
+    """(opening, closing) line indices of every fenced block."""
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), len(lines))
+            yield i, end
+            i = end
+        i += 1
+
+
+def transcripts(text: str, rel: str) -> tuple[list[Transcript], list[str]]:
+    """Every `<!-- output[ final][: COMMAND] -->` block of a chapter, and the errors of the markers."""
+    lines, found, errors = text.splitlines(), [], []
+    for i, line in enumerate(lines):
+        if not line.startswith("<!-- output"):
+            continue
+        where, m = f"{rel}:{i + 1}", OUTPUT.match(line)
+        end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() == "```"), None)
+        if m is None:
+            errors.append(f"{where}: not a transcript marker: `<!-- output[ final][: COMMAND] -->`")
+            continue
+        if i + 1 >= len(lines) or lines[i + 1].strip() != "```" or end is None:
+            errors.append(f"{where}: an output marker must be followed at once by a complete ``` block")
+            continue
+        block, command = lines[i + 2:end], m["cmd"]
+        if block and block[0].startswith("$ "):
+            if command is not None and block[0] != f"$ {command}":
+                errors.append(f"{where}: the block shows `{block[0]}`, the marker names `{command}`")
+                continue
+            command, block = block[0][2:], block[1:]
+        if command is None:
+            errors.append(f"{where}: the marker names no command and the block has no `$ COMMAND` line")
+            continue
+        found.append(Transcript(i + 1, command, m["final"] is not None, block))
+    return found, errors
+
+
+def command_argv(command: str, tree: Path) -> tuple[list[str], dict[str, str]]:
+    """`[NAME=value ...] python SCRIPT [args]`, `SCRIPT.py [args]` or `minioverlap [args]` -> argv and env."""
+    words, env = shlex.split(command), {}
+    while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if words[:1] == ["python"]:
+        words = words[1:]
+    if words[:1] == ["minioverlap"]:
+        return [sys.executable, "-m", "minioverlap", *words[1:]], env
+    if not words or not words[0].endswith(".py"):
+        raise MarkerError(f"cannot run `{command}`: a transcript runs `python SCRIPT.py` or `minioverlap`")
+    if not (tree / words[0]).is_file():
+        raise MarkerError(f"cannot run `{command}`: {words[0]} is not in the tree")
+    return [sys.executable, *words], env
+
+
+_runs: dict[tuple[str, str], subprocess.CompletedProcess] = {}
+
+
+def run_shown(tree: Path, command: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run a transcript's command in a tree (a stage or the book's root) as a reader would, with the tree's
+    package first on the path, COLUMNS wide, stdin closed and no GPU (the book's transcripts are a CPU's:
+    the same on every machine); remembered, so that one check runs it once."""
+    key = (str(Path(tree).resolve()), command)
+    if key not in _runs:
+        argv, extra = command_argv(command, Path(tree))
+        env = {**stage_env(tree), "COLUMNS": COLUMNS, "CUDA_VISIBLE_DEVICES": "", **extra}
+        try:
+            _runs[key] = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True,
+                                        timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            _runs[key] = subprocess.CompletedProcess(argv, 124, "", f"timed out after {timeout:.0f}s\n")
+    return _runs[key]
+
+
+def shown_matches(shown: list[str], printed: list[str]) -> bool:
+    """Does a transcript match what was printed? Line by line, trailing spaces and blank lines aside; a
+    line `...` stands for any number of lines, a `~` or `~12.5` for one number (the spaces beside it for
+    any)."""
+    def trim(lines: list[str]) -> list[str]:
+        lines = [line.rstrip() for line in lines]
+        while lines and not lines[-1]:
+            lines.pop()
+        return lines
+
+    def line_pattern(line: str) -> re.Pattern:
+        parts = VARIES.split(line)
+        number = r" *[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)? *"
+        return re.compile(number.join(re.escape(p) for p in parts) + r"\Z")
+
+    want, got = trim(shown), trim(printed)
+    patterns = [None if line == "..." else line_pattern(line) if "~" in line else line for line in want]
+    reach = {0}                                      # how many printed lines the first k shown lines can cover
+    for p in patterns:
+        if p is None:
+            reach = set(range(min(reach), len(got) + 1)) if reach else set()
+        else:
+            reach = {j + 1 for j in reach if j < len(got)
+                     and (p == got[j] if isinstance(p, str) else p.match(got[j]) is not None)}
+    return len(got) in reach
+
+
+def check_transcripts(md: Path, tree: Path, rel: str, *, final: bool, timeout: float | None = None) -> list[str]:
+    """Run every transcript's command of one chapter in `tree` and compare: in the chapter's stage
+    (`final` False) the blocks that are not `final`-only, in the final tree (the book's root) all of them,
+    with the errors of the markers."""
+    found, errors = transcripts(md.read_text(), rel)
+    errors = errors if final else []
+    for t in found:
+        if t.final_only and not final:
+            continue
+        where = f"{rel}:{t.line}: output of `{t.command}` in {'the final tree' if final else 'its stage'}"
+        try:
+            r = run_shown(tree, t.command, timeout)
+        except MarkerError as e:
+            errors.append(f"{rel}:{t.line}: {e}")
+            continue
+        if r.returncode != 0:
+            errors.append(f"{where}: exit {r.returncode}\n{tail(r, 10)}")
+        elif not shown_matches(t.shown, r.stdout.splitlines()):
+            shown, printed = [s.rstrip() for s in t.shown], [s.rstrip() for s in r.stdout.splitlines()]
+            diff = list(difflib.unified_diff(shown, printed, "chapter", "printed", lineterm="", n=1))
+            errors.append(f"{where}: differs\n" + "\n".join(diff[2:16]))
+    return errors
+
+
+def number_value(text: str) -> tuple[float, int]:
+    """A number as printed -> its value and its decimals: '9,006' -> (9006.0, 0), '−0.25' -> (-0.25, 2)."""
+    text = text.replace(",", "").replace("−", "-")
+    return float(text), len(text.partition(".")[2])
+
+
+def agrees(printed: str, value: float) -> bool:
+    """`printed` is `value` at its printed precision (a half-way value may round either way)."""
+    shown, decimals = number_value(printed)
+    return abs(value - shown) <= 0.5 * 10 ** -decimals * (1 + 1e-9)
+
+
+class Many(list):
+    """The items a filter selected, or one field of each: only min, max, sum and mean take them."""
+
+
+def select(data, path: str, name: str):
+    """Follow `name`, `.key`, `[key]` (a dict) and `[v, k=v, k^=v, k*=v, ...]` (a list's items with a field
+    equal to v, field k equal to, starting with, containing v) in JSON data; a filter that matches several
+    items gives Many."""
+    here = data
+    for key, field_ in re.findall(r"\[([^\]]*)\]|\.?([A-Za-z_]\w*)", path):
+        if isinstance(here, Many):
+            here = Many(select(item, f".{field_}" if field_ else f"[{key}]", name) for item in here)
+        elif field_ or isinstance(here, dict):
+            k = field_ or key.strip()
+            if not isinstance(here, dict) or k not in here:
+                keys = ", ".join(list(here)[:12]) if isinstance(here, dict) else type(here).__name__
+                raise MarkerError(f"{name}: no {k!r} in {path} (there: {keys})")
+            here = here[k]
+        elif isinstance(here, list):
+            terms = [t.strip() for t in key.split(",") if t.strip()]
+
+            def fits(item, term: str) -> bool:
+                m = re.fullmatch(r"(\w+)\s*([*^]?=)\s*(.*)", term)
+                if not isinstance(item, dict):
+                    return False
+                if m is None:
+                    return any(str(x) == term for x in item.values() if not isinstance(x, (dict, list)))
+                got, how, want = str(item.get(m[1])), m[2], m[3]
+                return got == want if how == "=" else got.startswith(want) if how == "^=" else want in got
+            hits = [item for item in here if all(fits(item, t) for t in terms)]
+            if not hits:
+                raise MarkerError(f"{name}: nothing in {path} matches [{key}]")
+            here = hits[0] if len(hits) == 1 else Many(hits)
+        else:
+            raise MarkerError(f"{name}: {path} goes into a {type(here).__name__}")
+    return here
+
+
+def figure_value(data, expr: str, name: str) -> float:
+    """Evaluate a figure's expression over JSON data: paths into the data, numbers, + - * / and
+    min, max, sum, mean, abs. The paths are the names not followed by `(`."""
+    values: dict[str, object] = {}
+
+    def place(m: re.Match) -> str:
+        if m.group(1) in FUNCTIONS and expr[m.end():].lstrip().startswith("("):
+            return m.group(0)
+        values[f"_v{len(values)}"] = select(data, m.group(0), name)
+        return f"_v{len(values) - 1}"
+    code = re.sub(r"(?<![\w.])([A-Za-z_]\w*)(?:\[[^\]]*\]|\.[A-Za-z_]\w*)*", place, expr)
+
+    def ev(node: ast.AST):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in values:
+            value = values[node.id]
+            if isinstance(value, Many):
+                return value
+            if type(value) not in (int, float):
+                raise MarkerError(f"{name}: {expr} reads {value!r}, not a number")
+            return value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = number(ev(node.operand))
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](number(ev(node.left)), number(ev(node.right)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS \
+                and not node.keywords:
+            args = [ev(a) for a in node.args]
+            return FUNCTIONS[node.func.id](*map(number, [v for a in args for v in (a if isinstance(a, Many) else [a])]))
+        raise MarkerError(f"{name}: {expr}: only paths, numbers, + - * / and {', '.join(FUNCTIONS)}")
+
+    def number(v) -> float:
+        if isinstance(v, Many):
+            raise MarkerError(f"{name}: {expr}: {len(v)} items selected where one number is meant")
+        if type(v) not in (int, float):
+            raise MarkerError(f"{name}: {expr} reads {v!r}, not a number")
+        return v
+    try:
+        tree = ast.parse(code, mode="eval")
+    except SyntaxError as e:
+        raise MarkerError(f"{name}: cannot read {expr}: {e.msg}") from None
+    return number(ev(tree))
+
+
+def figure_errors(lines: list[str], tree: Path, rel: str) -> list[str]:
+    """Every number a `<!-- fig: FILE EXPR[; EXPR...] -->` comment follows equals its expression over
+    chapters/figures/FILE at the printed precision. A comment of n expressions covers the last n numbers
+    before it on its line (after any comment before it on that line); `rows:` before the expressions, on
+    a line of its own, covers each row of the table below it, `$1`, `$2`... standing for the row's cells."""
+    errors, cache, code = [], {}, {i for start, end in fences(lines) for i in range(start, end + 1)}
+
+    def load(name: str, where: str):
+        if name not in cache:
+            path = tree / FIGURES / name
+            try:
+                cache[name] = json.loads(path.read_text()) if path.is_file() else None
+            except ValueError as e:
+                raise MarkerError(f"{where}: {FIGURES}/{name} is not JSON: {e}") from None
+        if cache[name] is None:
+            raise MarkerError(f"{where}: no file {FIGURES}/{name}")
+        return cache[name]
+
+    def covered(text: str, exprs: list[str], file: str, where: str) -> None:
+        numbers = NUMBER.findall(text)
+        if len(numbers) < len(exprs):
+            errors.append(f"{where}: {len(exprs)} expressions, but {len(numbers)} numbers before the comment")
+            return
+        data = load(file, where)
+        for printed, expr in zip(numbers[len(numbers) - len(exprs):], exprs):
+            value = figure_value(data, expr, where)
+            if not agrees(printed, value):
+                errors.append(f"{where}: {printed} is not {expr} = {value:.6g} ({file})")
+
+    for i, line in enumerate(lines):
+        if i in code or "<!--" not in line:
+            continue
+        start, where = 0, f"{rel}:{i + 1}"
+        try:
+            for m in re.finditer(r"<!--.*?-->", line):
+                if m.group(0).startswith(("<!-- snippet:", "<!-- output")):
+                    continue
+                fig, quote = FIG.fullmatch(m.group(0)), QUOTE.fullmatch(m.group(0))
+                if LOOKS_LIKE_CHECKED.match(m.group(0)) and not (fig or quote):
+                    errors.append(f"{where}: not a figure or quote: `<!-- fig: FILE EXPR[; EXPR] -->`, "
+                                  "`<!-- out: TEXT[; TEXT] -->`")
+                if fig and fig["rows"]:
+                    rows = [r for r in itertools.takewhile(lambda r: r.startswith("|"), lines[i + 1:])][2:]
+                    if line.strip() != m.group(0) or not rows:
+                        errors.append(f"{where}: a `rows:` figure stands alone on the line before a table")
+                    for k, row in enumerate(rows):
+                        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+                        exprs = re.sub(r"\$(\d+)", lambda c: cells[int(c.group(1)) - 1]
+                                       if int(c.group(1)) <= len(cells) else c.group(0), fig["exprs"])
+                        covered(row, [e.strip() for e in exprs.split(";")], fig["file"], f"{rel}:{i + k + 4}")
+                elif fig:
+                    covered(line[start:m.start()], [e.strip() for e in fig["exprs"].split(";")], fig["file"], where)
+                start = m.end()
+        except MarkerError as e:
+            errors.append(str(e))
+    return errors
+
+
+def quote_errors(lines: list[str], rel: str) -> list[str]:
+    """Every number a `<!-- out: TEXT[; TEXT...] -->` comment follows is, at its printed precision, the
+    number at `~` in a line of the chapter's transcripts that TEXT matches (its spaces: any spaces)."""
+    shown = [line for t in transcripts("\n".join(lines), rel)[0] for line in t.shown]
+    code = {i for start, end in fences(lines) for i in range(start, end + 1)}
+    errors = []
+    for i, line in enumerate(lines):
+        if i in code:
+            continue
+        start = 0
+        for m in re.finditer(r"<!--.*?-->", line):
+            quote, where = QUOTE.fullmatch(m.group(0)), f"{rel}:{i + 1}"
+            if quote:
+                texts = [t.strip() for t in quote["texts"].split(";")]
+                numbers = NUMBER.findall(line[start:m.start()])[-len(texts):]
+                if len(numbers) < len(texts) or any(t.count("~") != 1 for t in texts):
+                    errors.append(f"{where}: a quote covers as many numbers before it as it has TEXTs, "
+                                  "each with one `~` where the number is")
+                    start = m.end()
+                    continue
+                for printed, text in zip(numbers, texts):
+                    before, _, after = (re.sub(r"\s+", " ", p) for p in text.partition("~"))
+                    pattern = re.compile(r" +".join(map(re.escape, before.split(" "))) + r" *"
+                                         r"((?:[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?))"
+                                         + r" *" + r" +".join(map(re.escape, after.split(" "))))
+                    values = [m2.group(1) for s in shown for m2 in [pattern.search(s)] if m2]
+                    if not values:
+                        errors.append(f"{where}: no transcript line of this chapter reads `{text}`")
+                    elif not any(agrees(printed, number_value(v)[0]) for v in values):
+                        errors.append(f"{where}: {printed} is not what the transcript shows at `{text}`: "
+                                      f"{', '.join(values)}")
+            start = m.end()
+    return errors
 
 
 # ---------------------------------------------------------------- output
@@ -882,6 +1255,9 @@ def cmd_check(root: Path, chapters: str | None, proofs: bool, timeout: float) ->
             if n in stages:
                 errors, _ = check_markdown(book.root / rel, stages[n], rel)
                 report.add(f"snippets ch{n:02d}", not errors, "\n".join(errors))
+                errors = output_errors(book, rel, stages[n], timeout)
+                if errors is not None:
+                    report.add(f"outputs ch{n:02d}", not errors, "\n".join(errors))
     if (book.root / "tests" / "tools").is_dir():
         r = _run([sys.executable, "-m", "pytest", "tests/tools", "-q", "-p", "no:cacheprovider"], book.root)
         report.add("tools tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
@@ -904,31 +1280,39 @@ def parse_chapters(spec: str | None, numbers: list[int]) -> list[int]:
 def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, timeout: float,
                 previous: Path | None = None) -> Path:
     """Build stage n, then check its imports, its cumulative tests, its example, its revert proofs.
-    `previous`: the stage before, checked in this run; where n changes no code, only n's new tests run."""
+    `previous`: the stage before, checked in this run; where n changes no code, only n's new tests run.
+    The tests that run a program (an example, the command line) run in their own chapter's stage and in
+    the last; the other stages leave out the earlier chapters' ones. The example and the proofs run side
+    by side, one per core."""
     chapter, package = book.registry.chapter(n), book.registry.package
     stage = _build(book, n, tmp / f"ch{n:02d}")
     problems = package_error(stage, package) + stage_import_errors(stage, package, n)
     report.add(f"stage {n:02d} build", not problems, "\n".join(problems))
     targets = new_tests(stage, previous)
-    r = run_pytest(stage, ["tests"] if targets is None else targets, timeout=timeout * 4, parallel=True)
+    last = n == max(book.registry.numbers)
+    r = run_pytest(stage, ["tests"] if targets is None else targets, timeout=timeout * 4, parallel=True,
+                   processes_from=0 if last else n)
     detail = "" if targets is None else f" (the code of stage {n - 1:02d}: only {', '.join(targets)})"
     report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25) + detail)
     broken, green = set(failed_tests(r)), r.returncode == 0  # a bug that only the broken catch proves nothing
-    if chapter.example is None:
-        report.add(f"stage {n:02d} example", False, "the registry names no example")
-    else:
-        r = _run([sys.executable, chapter.example], stage, stage_env(stage), timeout)
-        report.add(f"stage {n:02d} example", r.returncode == 0, "" if r.returncode == 0 else tail(r))
-    for fix in chapter.fixes if proofs else []:
-        problems = revert_proof(book, n, fix, stage, tmp, timeout, green)
-        report.add(f"proof {fix.name}", not problems, "\n".join(problems))
-    for fix in chapter.rechecks if proofs else []:  # an earlier fix, reverted here: this chapter's tests catch it too
-        problems = revert_proof(book, n, fix, stage, tmp, timeout, green)
-        report.add(f"proof {fix.name} at stage {n:02d}", not problems, "\n".join(problems))
-    with ThreadPoolExecutor(WORKERS) as pool:  # one bug per core, each pytest on one torch thread
-        caught = pool.map(lambda bug: bug_proof(bug, stage, tmp, timeout * 4, broken), chapter.bugs if proofs else [])
-        for bug, result in zip(chapter.bugs, caught):
-            report.add(f"bug {bug.name}", *result)
+    with ThreadPoolExecutor(WORKERS) as pool:  # one job per core, each pytest on one torch thread
+        example = pool.submit(run_shown, stage, f"python {chapter.example}", timeout) \
+            if chapter.example is not None else None
+        fixes = [(f"proof {fix.name}", pool.submit(revert_proof, book, n, fix, stage, tmp, timeout, green))
+                 for fix in (chapter.fixes if proofs else [])]
+        fixes += [(f"proof {fix.name} at stage {n:02d}", pool.submit(revert_proof, book, n, fix, stage, tmp, timeout, green))
+                  for fix in (chapter.rechecks if proofs else [])]  # an earlier fix, reverted here: caught here too
+        bugs = [(f"bug {bug.name}", pool.submit(bug_proof, bug, stage, tmp, timeout * 4, broken))
+                for bug in (chapter.bugs if proofs else [])]
+        if example is None:
+            report.add(f"stage {n:02d} example", False, "the registry names no example")
+        else:
+            r = example.result()
+            report.add(f"stage {n:02d} example", r.returncode == 0, "" if r.returncode == 0 else tail(r))
+        for name, problems in fixes:
+            report.add(name, not problems.result(), "\n".join(problems.result()))
+        for name, caught in bugs:
+            report.add(name, *caught.result())
     return stage
 
 
@@ -957,8 +1341,8 @@ def revert_proof(book: Book, n: int, fix: Fix, stage: Path, tmp: Path, timeout: 
     reverted = _build(book, n, tmp / f"ch{n:02d}-revert-{fix.name}", revert=fix.name)
     problems = []
     for test in fix.tests:
-        good = subprocess.CompletedProcess([], 0) if green else run_pytest(stage, [test], timeout=timeout)
-        bad = run_pytest(reverted, [test], timeout=timeout)
+        good = subprocess.CompletedProcess([], 0) if green else run_pytest(stage, [test], timeout=timeout, one_thread=True)
+        bad = run_pytest(reverted, [test], timeout=timeout, one_thread=True)
         if good.returncode != 0:
             problems.append(f"{test} does not pass with the fix in place:\n{tail(good, 10)}")
         if bad.returncode != 1:
@@ -1082,7 +1466,7 @@ def print_tree(marks: dict[str, str], prefix: str, depth: int) -> None:
 
 
 def cmd_snippets(book: Book, write: bool) -> int:
-    count, wrong = 0, 0
+    count, figures, wrong = 0, 0, 0
     with tempfile.TemporaryDirectory(prefix="steps-snippets-") as tmp:
         for rel, n in chapter_markdowns(book):
             stage, path = _build(book, n, Path(tmp) / f"ch{n:02d}"), book.root / rel
@@ -1092,10 +1476,37 @@ def cmd_snippets(book: Book, write: bool) -> int:
                 say(f"rewrote {rel}", "yellow")
                 errors, _ = check_markdown(path, stage, rel)
             count += sum(bool(SNIPPET.match(line)) for line in fixed.splitlines())
+            figures += sum(len(FIG.findall(line)) + len(QUOTE.findall(line)) for line in fixed.splitlines())
             wrong += len(errors)
             for error in errors:
                 say(error, "red")
-    print(f"{count} snippets, {wrong} wrong")
+    print(f"{count} snippets, {figures} figures and quotes, {wrong} wrong")
+    return 1 if wrong else 0
+
+
+def output_errors(book: Book, rel: str, stage: Path, timeout: float) -> list[str] | None:
+    """`check`'s transcripts of one chapter: in its stage (the example's run reused) and in the final
+    tree; None if the chapter has none."""
+    md = book.root / rel
+    if not transcripts(md.read_text(), rel)[0]:
+        return None
+    return (check_transcripts(md, stage, rel, final=False, timeout=timeout)
+            + check_transcripts(md, book.root, rel, final=True, timeout=timeout))
+
+
+def cmd_outputs(book: Book, chapters: str | None, timeout: float) -> int:
+    """Every transcript of the chapters, run in the final tree (the book's root, as a reader runs it):
+    no stage is built. `check` compares them in each chapter's stage too."""
+    count, wrong = 0, 0
+    wanted = set(parse_chapters(chapters, book.registry.numbers))
+    for rel, n in chapter_markdowns(book):
+        if n in wanted:
+            errors = check_transcripts(book.root / rel, book.root, rel, final=True, timeout=timeout)
+            count += len(transcripts((book.root / rel).read_text(), rel)[0])
+            wrong += len(errors)
+            for error in errors:
+                say(error, "red")
+    print(f"{count} transcripts, {wrong} wrong")
     return 1 if wrong else 0
 
 
@@ -1111,6 +1522,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--no-proofs", action="store_true", help="skip the revert proofs")
     check.add_argument("--timeout", type=float, default=300, help="seconds per example or proof run")
     sub.add_parser("snippets").add_argument("--write", action="store_true", help="rewrite the blocks")
+    outputs = sub.add_parser("outputs")
+    outputs.add_argument("--chapters", help="the chapters whose transcripts to run (default: all)")
+    outputs.add_argument("--timeout", type=float, default=300, help="seconds per command")
     for p in sub.choices.values():  # `--root` may also follow the command
         p.add_argument("--root", type=Path, default=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1124,6 +1538,8 @@ def main(argv: list[str] | None = None) -> int:
         book = load_book(root)
         if args.command == "snippets":
             return cmd_snippets(book, args.write)
+        if args.command == "outputs":
+            return cmd_outputs(book, args.chapters, args.timeout)
         if args.command == "diff":
             return cmd_diff(book, args.chapter, args.code)
         return {"tree": cmd_tree, "bugs": cmd_bugs}[args.command](book, args.chapter)

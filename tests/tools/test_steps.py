@@ -9,6 +9,7 @@ Every test that changes the book works on a copy (`book_copy`).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -142,6 +143,23 @@ def test_run_pytest_imports_the_stage_package_and_ignores_outside_config(book: P
     result = steps.run_pytest(stage, ["tests"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout
+
+
+def test_a_stage_leaves_out_only_the_earlier_chapters_process_tests(tmp_path: Path) -> None:
+    """processes_from=N deselects the tests marked `process` of chapters before N, and nothing else: the
+    chapter's own process tests, the earlier chapters' other tests and unnamed modules still run."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_ch01_a.py").write_text("import pytest\n\n\n@pytest.mark.process\ndef test_example():\n"
+                                          "    assert False, 'ran ch01 process'\n\n\ndef test_unit():\n    pass\n")
+    (tests / "test_ch02_b.py").write_text("import pytest\n\n\n@pytest.mark.process\ndef test_example():\n"
+                                          "    pass\n")
+    every = steps.run_pytest(tmp_path, ["tests"])
+    assert every.returncode == 1 and "ran ch01 process" in every.stdout and "PytestUnknownMarkWarning" not in every.stdout
+    stage_2 = steps.run_pytest(tmp_path, ["tests"], processes_from=2)
+    assert stage_2.returncode == 0 and "2 passed, 1 deselected" in stage_2.stdout, stage_2.stdout
+    stage_3 = steps.run_pytest(tmp_path, ["tests"], processes_from=3)
+    assert stage_3.returncode == 0 and "1 passed, 2 deselected" in stage_3.stdout, stage_3.stdout
 
 
 def test_revert_proof_makes_the_registered_test_fail(book: Path, tmp_path: Path) -> None:
@@ -617,3 +635,146 @@ def test_a_stage_that_changes_no_code_runs_only_its_new_tests(tmp_path: Path) ->
     (after / "tests" / "conftest.py").unlink()
     (after / "pkg" / "engine.py").write_text("X = 2\n")
     assert steps.new_tests(after, before) is None, "code changed: everything"
+
+
+# ---------------------------------------------------------------- transcripts, figures and quotes
+
+RUN = {"device": "a test", "copy_GBps": 4236.4,
+       "results": [{"shape": "s", "batch": 1, "system": "normal", "tok_s": 100.0, "ms_step": 10.0},
+                   {"shape": "s", "batch": 1, "system": "overlap", "tok_s": 118.0, "ms_step": 8.47},
+                   {"shape": "s", "batch": 4, "system": "normal", "tok_s": 350.0, "ms_step": 11.4},
+                   {"shape": "s", "batch": 4, "system": "overlap", "tok_s": 420.0, "ms_step": 9.5}],
+       "profile": {"s": {"top": [{"name": "gemm_a", "ms": 1.25}, {"name": "gemm_b", "ms": 0.5},
+                                 {"name": "norm", "ms": 0.25}]}}}
+STAGE2_PRINTS = "$ python examples/ch02_windows.py\n[[1, 2], [2, 3]]\nWINDOWS!\n"   # the ch02 bug: one window short
+FINAL_PRINTS = "$ python examples/ch02_windows.py\n[[1, 2], [2, 3], [3, 4]]\nWINDOWS!\n"  # fixed in ch03
+
+
+def add_prose(book: Path, chapter: str, text: str) -> Path:
+    """Append `text` to a chapter of the fixture book (after its snippets, which keep their lines)."""
+    path = book / "chapters" / chapter
+    path.write_text(path.read_text() + "\n" + text)
+    return path
+
+
+def with_run(book: Path) -> None:
+    (book / "chapters" / "figures").mkdir(exist_ok=True)
+    (book / "chapters" / "figures" / "run.json").write_text(json.dumps(RUN))
+
+
+def test_a_figure_is_its_expression_over_the_recorded_run(book_copy: Path) -> None:
+    """`snippets` recomputes each figure from chapters/figures/*.json at its printed precision; a number
+    that differs fails with its line, its expression and the value."""
+    with_run(book_copy)
+    gain = "results[s, 1, overlap].tok_s / results[s, 1, normal].tok_s"
+    md = add_prose(book_copy, "02-windows.md",
+                   f"Overlap is 1.18x<!-- fig: run.json {gain} --> as fast, +18%<!-- fig: run.json 100 * ({gain} - 1) -->, "
+                   "a step of 8.5 ms<!-- fig: run.json results[s, 1, overlap].ms_step --> at batch 1, and the copies run "
+                   "at 4.2 TB/s<!-- fig: run.json copy_GBps / 1000 -->.\n")
+    ok = run_steps(book_copy, "snippets")
+    assert ok.returncode == 0, ok.stdout
+    assert "7 snippets, 4 figures and quotes, 0 wrong" in ok.stdout
+    edit(md, "+18%", "+19%")
+    wrong = run_steps(book_copy, "snippets")
+    assert wrong.returncode == 1
+    assert f"chapters/02-windows.md:21: +19 is not 100 * ({gain} - 1) = 18 (run.json)" in wrong.stdout
+    edit(md, "+19%", "+18.0%")                         # one decimal more: 18.0 must be 18.0 to one decimal
+    assert run_steps(book_copy, "snippets").returncode == 0
+    edit(md, "8.5 ms", "8.47 ms")
+    assert run_steps(book_copy, "snippets").returncode == 0
+    edit(md, "8.47 ms", "8.4 ms")                      # 8.47 is 8.5 at one decimal, not 8.4
+    assert "8.4 is not results[s, 1, overlap].ms_step = 8.47" in run_steps(book_copy, "snippets").stdout
+
+
+def test_a_table_of_figures_is_checked_row_by_row(book_copy: Path) -> None:
+    """`rows:` before a table: each body row's numbers are its expressions, `$1` the row's first cell."""
+    with_run(book_copy)
+    md = add_prose(book_copy, "02-windows.md",
+                   "<!-- fig: run.json rows: results[s, batch=$1, normal].tok_s; results[s, batch=$1, overlap].tok_s -->\n"
+                   "| batch | normal | overlap |\n|---|---|---|\n| 1 | 100 | 118 |\n| 4 | 350 | 420 |\n")
+    assert run_steps(book_copy, "snippets").returncode == 0
+    edit(md, "| 4 | 350 | 420 |", "| 4 | 350 | 402 |")
+    wrong = run_steps(book_copy, "snippets")
+    assert wrong.returncode == 1
+    assert "chapters/02-windows.md:25: 402 is not results[s, batch=4, overlap].tok_s = 420 (run.json)" in wrong.stdout
+
+
+@pytest.mark.parametrize("comment, expected", [
+    ("<!-- fig: nosuch.json copy_GBps -->", "chapters/02-windows.md:21: no file chapters/figures/nosuch.json"),
+    ("<!-- fig: run.json results[s, 16, normal].tok_s -->", "nothing in results[s, 16, normal].tok_s matches [s, 16, normal]"),
+    ("<!-- fig: run.json results[s, normal].tok_s -->", "2 items selected where one number is meant"),
+    ("<!-- fig: run.json copy_gbps -->", "no 'copy_gbps' in copy_gbps"),
+    ("<!-- fig: run.json copy_GBps; copy_GBps -->", "2 expressions, but 1 numbers before the comment"),
+    ("<!-- fig:run.json copy_GBps -->", "not a figure or quote"),
+    ("<!-- out: copies at ~ -->", "no transcript line of this chapter reads `copies at ~`"),
+])
+def test_a_figure_that_cannot_be_computed_is_an_error(book_copy: Path, comment: str, expected: str) -> None:
+    """An unknown file, a path that selects nothing or several items, a misspelt key, more expressions
+    than numbers, a malformed comment, a quote of no transcript: each an error, never a warning."""
+    with_run(book_copy)
+    add_prose(book_copy, "02-windows.md", f"The copies run at 4236{comment}.\n")
+    result = run_steps(book_copy, "snippets")
+    assert result.returncode == 1 and expected in result.stdout, result.stdout
+    assert "1 wrong" in result.stdout
+
+
+def test_a_transcript_is_what_its_command_prints_in_the_stage_and_the_final_tree(book_copy: Path) -> None:
+    """`<!-- output -->` is compared in the chapter's stage and in the final tree: stage 02 prints one window
+    short (the ch02 bug), so a transcript of it fails in the final tree, where `output final` must show
+    the fixed windows. A wrong line fails `check` as `outputs ch02`, never a warning."""
+    md = add_prose(book_copy, "02-windows.md", "<!-- output -->\n```\n" + STAGE2_PRINTS + "```\n")
+    result = run_steps(book_copy, "check", "--chapters", "2", "--no-proofs")
+    assert re.search(r"^outputs ch02\s+FAIL", result.stdout, re.M), result.stdout
+    assert "chapters/02-windows.md:21: output of `python examples/ch02_windows.py` in the final tree: differs" \
+        in result.stdout
+    assert "in its stage" not in result.stdout, "stage 02 prints exactly this"
+    assert "+[[1, 2], [2, 3], [3, 4]]" in result.stdout
+    edit(md, STAGE2_PRINTS, FINAL_PRINTS)
+    result = run_steps(book_copy, "check", "--chapters", "2", "--no-proofs")
+    assert re.search(r"^outputs ch02\s+FAIL", result.stdout, re.M), result.stdout
+    assert "chapters/02-windows.md:21: output of `python examples/ch02_windows.py` in its stage: differs" in result.stdout
+    assert "in the final tree" not in result.stdout, "the final tree prints exactly this"
+    edit(md, "<!-- output -->", "<!-- output final -->")
+    result = run_steps(book_copy, "check", "--chapters", "2", "--no-proofs")
+    assert result.returncode == 0 and re.search(r"^outputs ch02\s+pass", result.stdout, re.M), result.stdout
+    edit(md, "WINDOWS!", "WINDOW!")
+    result = run_steps(book_copy, "outputs")
+    assert result.returncode == 1 and "-WINDOW!\n+WINDOWS!" in result.stdout
+    assert "1 transcripts, 1 wrong" in result.stdout
+
+
+def test_a_transcript_line_that_changes_from_run_to_run_is_marked(book_copy: Path) -> None:
+    """`...` stands for any lines and `~` for one number; every other line must be as printed. A quote
+    of a transcript number is checked against the transcript."""
+    (book_copy / "examples" / "ch02_timed.py").write_text(
+        "import time\nprint('start')\nfor i in range(3):\n    print(f'step {i}: {time.perf_counter_ns() % 997:5d} us')\n"
+        "print('3 steps, 2 windows')\n")
+    md = add_prose(book_copy, "02-windows.md", "<!-- output -->\n```\n$ python examples/ch02_timed.py\nstart\n"
+                   "step 0: ~ us\n...\n3 steps, 2 windows\n```\n\nIt ran 3<!-- out: ~ steps, --> steps.\n")
+    assert run_steps(book_copy, "outputs").returncode == 0
+    assert run_steps(book_copy, "snippets").returncode == 0
+    edit(md, "It ran 3<!--", "It ran 4<!--")
+    assert "4 is not what the transcript shows at `~ steps,`: 3" in run_steps(book_copy, "snippets").stdout
+    edit(md, "3 steps, 2 windows\n```", "3 steps, 3 windows\n```")
+    result = run_steps(book_copy, "outputs")
+    assert result.returncode == 1 and "\n-3 steps, 3 windows\n" in result.stdout and "\n+3 steps, 2 windows\n" in result.stdout
+    assert steps.shown_matches(["a", "...", "z"], ["a", "z"]) and steps.shown_matches(["a", "..."], ["a", "b", "c"])
+    assert steps.shown_matches(["t ~ ms"], ["t    12.5 ms"]) and not steps.shown_matches(["t ~ ms"], ["t fast ms"])
+    assert steps.shown_matches(["t ~12.5 ms, ~3 us"], ["t 9 ms, 4 us"]), "`~12.5`: the number one run printed"
+    assert not steps.shown_matches(["a", "b"], ["a", "b", "c"]) and not steps.shown_matches(["a"], ["a", "b"])
+    assert steps.shown_matches(["a  "], ["a", ""]), "trailing spaces and blank lines aside"
+
+
+def test_a_transcript_marker_or_command_out_of_the_grammar_is_an_error(book_copy: Path) -> None:
+    """A marker not followed by a block, a block without a command, a `$` line that is not the marker's
+    command, and a command that is not `python SCRIPT.py` or `minioverlap`: all errors."""
+    add_prose(book_copy, "02-windows.md", "<!-- output -->\n```\n[[1, 2]]\n```\n\n"
+              "<!-- output: python examples/ch01_words.py -->\n```\n$ python examples/ch02_windows.py\n```\n\n"
+              "<!-- output: ls examples -->\n```\nch01_words.py\n```\n\n<!-- output: python examples/nosuch.py -->\n```\n```\n")
+    out = run_steps(book_copy, "snippets").stdout
+    assert "chapters/02-windows.md:21: the marker names no command and the block has no `$ COMMAND` line" in out
+    assert "chapters/02-windows.md:26: the block shows `$ python examples/ch02_windows.py`, the marker names " \
+           "`python examples/ch01_words.py`" in out
+    out = run_steps(book_copy, "outputs").stdout
+    assert "chapters/02-windows.md:31: cannot run `ls examples`" in out
+    assert "chapters/02-windows.md:36: cannot run `python examples/nosuch.py`: examples/nosuch.py is not in the tree" in out
