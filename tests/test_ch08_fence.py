@@ -213,24 +213,24 @@ def test_every_guard_in_place_silence():
         assert b_len > a_len          # B's prompt covers every position of A's row
 
 
-def fail_the_third_forward(llm: LLM, error: BaseException) -> None:
-    """A run whose third forward pass raises `error` after the step has read the page tables (an
-    exception or a Ctrl-C inside the model): the step reaches neither the fence nor `in_flight`."""
-    forward, calls = llm.model.forward, []
+def fail_the_third_step(llm: LLM, error: BaseException) -> None:
+    """A run whose third step raises `error` once it has read its inputs and the page tables (an
+    exception or a Ctrl-C inside the step, eager or, on a GPU, graphed): the step reaches neither the
+    fence nor `in_flight`."""
+    read_inputs, calls = llm.runner.read_inputs, []
 
-    def failing(*args, **kwargs):
-        out = forward(*args, **kwargs)          # the step's reads of the shared tables are queued
+    def failing(batch):
+        read_inputs(batch)                      # the step's reads of the shared tables are queued
         calls.append(1)
         if len(calls) == 3:
             raise error
-        return out
 
-    llm.model.forward = failing
+    llm.runner.read_inputs = failing
     try:
         with pytest.raises(type(error)):
             llm.generate(["def f(x):", "class A:", "import os"], SamplingParams(max_tokens=8, ignore_eos=True))
     finally:
-        llm.model.forward = forward
+        del llm.runner.read_inputs
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
@@ -241,7 +241,7 @@ def test_the_run_after_a_failed_step_is_no_race(overlap, error):
     llm = LLM(model="tiny", overlap=overlap, hazard_check=True, page_size=4, max_running=2)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     fresh = [o.token_ids for o in llm.generate(["def f(x):", "class A:"], params)]
-    fail_the_third_forward(llm, error)
+    fail_the_third_step(llm, error)
     assert [o.token_ids for o in llm.generate(["def f(x):", "class A:"], params)] == fresh
     llm.check_integrity()
 

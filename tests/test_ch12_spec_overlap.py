@@ -12,7 +12,7 @@ from minioverlap import LLM, SamplingParams
 from minioverlap.config import Guards
 from minioverlap.device.hazard import HazardError
 from test_ch07_one_step_late import Plan, run_clients
-from test_ch08_fence import fail_the_third_forward
+from test_ch08_fence import fail_the_third_step
 
 K = 3
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", [5, 6, 7], "import os\n", "    for i in range(10):"]
@@ -294,11 +294,12 @@ def test_the_fence_waits_on_the_event_of_the_step_just_launched():
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_the_run_after_a_failed_verify_step_is_no_race(overlap):
-    """Chapter 08's failed step with MTP: a verify step that raises after its reads (here the target
-    pass of the third forward) is waited for, and the next run equals a fresh engine's."""
+    """Chapter 08's failed step with MTP: a step that raises after its reads (here the third step, a
+    verify step, once its target pass has read its inputs) is waited for, and the next run equals a
+    fresh engine's."""
     llm = LLM(model="tiny", overlap=overlap, mtp_steps=K, hazard_check=True, page_size=4, max_running=2)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     fresh = [o.token_ids for o in llm.generate(["def f(x):", "class A:"], params)]
-    fail_the_third_forward(llm, KeyboardInterrupt())
+    fail_the_third_step(llm, KeyboardInterrupt())
     assert [o.token_ids for o in llm.generate(["def f(x):", "class A:"], params)] == fresh
     llm.check_integrity()

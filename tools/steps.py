@@ -14,7 +14,8 @@ grammar; this file is the splitter and the checker.
     python tools/steps.py diff N [--code] | tree N | bugs N | snippets [--write] | outputs [--chapters 9-14]
 
 practice/judge.py imports it (`sys.path.insert(0, "tools"); import steps`) for load_registry,
-build_stage, find_exercises and run_pytest.
+build_stage, find_exercises and run_pytest, and load_book, blocks and render to read an exercise's
+reference region.
 """
 
 from __future__ import annotations
