@@ -71,8 +71,9 @@ def main() -> None:
     console.print(table)
 
     console.rule("the overlap loop, request by request")
-    table = Table("request", "tokens per reply", "tokens", "verify steps", "accept length",
-                  caption="a of b: the window accepted b tokens, the client got a (max_tokens)")
+    table = Table("request", "tokens per reply", "tokens", "passes", "accept length",
+                  caption="a of b: the window accepted b tokens, the client got a (max_tokens); passes: the prefill "
+                          "and the verify steps")
     for out in outs["overlap"]:
         got = [f"{kept}" if kept == accepted else f"{kept} of {accepted}"
                for step, uid, accepted, kept in windows if uid == out.uid]
@@ -98,7 +99,7 @@ def main() -> None:
     same = tokens["overlap"] == tokens["normal"] == tokens["plain"]
     console.print(f"tokens: {'overlap == normal == plain greedy' if same else 'DIFFERENT'}", highlight=False)
     console.print("accept lengths: " + ", ".join(f"{len(o.token_ids) / o.verify_steps:.2f}" for o in outs["overlap"])
-                  + " (tokens / verify steps)", highlight=False)
+                  + " (tokens / passes)", highlight=False)
     console.print(f"steps: normal {sum(e.kind == 'launch' for e in engines['normal'].trace)}, "
                   f"overlap {sum(e.kind == 'launch' for e in trace)}", highlight=False)
     console.print(f"wasted windows: {len(wasted(trace))} (launched after the finish, no reply)", highlight=False)

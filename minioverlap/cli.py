@@ -55,7 +55,7 @@ def generate(args: argparse.Namespace, console: Console) -> None:
     console.print(f"[dim]({len(tokens)} tokens, finish_reason={reason})[/dim]")
     # >>> ch09: MTP: tokens per target pass
     if args.mtp:
-        console.print(accept_length(llm, tokens), style="dim", highlight=False)
+        console.print(accept_length(llm, tokens), style="dim", highlight=False, soft_wrap=True)
     # <<< ch09
 
 
@@ -89,8 +89,9 @@ def mtp_options(args: argparse.Namespace) -> dict:
 def accept_length(llm: LLM, tokens: list[int]) -> str:
     """Tokens per target pass. One request: each step that replied to it is one target pass, the prefill
     too (a step launched after its finish, which the overlap loop may run, replies nothing)."""
-    steps = sum(1 for e in llm.trace if e.kind == "reply" and e.uids)
-    return f"accept length {len(tokens) / steps:.2f} ({len(tokens)} tokens in {steps} verify steps)"
+    passes = sum(1 for e in llm.trace if e.kind == "reply" and e.uids)
+    return (f"accept length {len(tokens) / passes:.2f} ({len(tokens)} tokens in {passes} passes: the prefill and "
+            f"{passes - 1} verify steps)")
 # <<< ch09
 # >>> ch04: the event trace
 

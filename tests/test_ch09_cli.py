@@ -19,15 +19,17 @@ def generate(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.process
 def test_generate_mtp_prints_the_plain_text_and_the_accept_length():
     """`--mtp 3` (without --loop: the normal loop) streams exactly the plain greedy completion, then the
-    accept length: tokens / verify steps, each at least one token and at most k+1."""
+    accept length: tokens / passes (the prefill and the verify steps), each pass at least one token and at
+    most k+1."""
     mtp, plain = generate("--mtp", "3"), generate("--loop", "normal")
     assert [mtp.returncode, plain.returncode] == [0, 0], mtp.stderr + plain.stderr
     assert mtp.stdout.startswith(plain.stdout) and "(24 tokens, finish_reason=length)" in plain.stdout
     extra = mtp.stdout[len(plain.stdout):]
-    m = re.fullmatch(r"accept length (\d+\.\d\d) \((\d+) tokens in (\d+) verify steps\)\n", extra)
+    m = re.fullmatch(r"accept length (\d+\.\d\d) \((\d+) tokens in (\d+) passes: the prefill and (\d+) verify "
+                     r"steps\)\n", extra)
     assert m, extra
-    length, tokens, steps = float(m[1]), int(m[2]), int(m[3])
-    assert tokens == 24 and 24 / 4 <= steps <= 24 and m[1] == f"{tokens / steps:.2f}"
+    length, tokens, passes, verifies = float(m[1]), int(m[2]), int(m[3]), int(m[4])
+    assert tokens == 24 and 24 / 4 <= passes <= 24 and verifies == passes - 1 and m[1] == f"{tokens / passes:.2f}"
     assert length > 1.5                          # the tiny model's MTP layer drafts well on code
 
 

@@ -336,7 +336,7 @@ def test_verify_steps_count_the_target_passes(engines):
 
 def test_accept_length_of_the_card_prompts(engines):
     """Greedy, k=3, the five prompts of the model card, 64 tokens each: the mean accept length
-    (tokens / verify steps) is at least 1.8, the figure DESIGN.md requires."""
+    (tokens / passes) is at least 1.8, the figure DESIGN.md requires."""
     outs = engines(3).generate(SAMPLE_PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True))
     lengths = [len(o.token_ids) / o.verify_steps for o in outs]
     mean = sum(lengths) / len(lengths)

@@ -27,7 +27,7 @@ def test_the_chapters_example_shows_equal_tokens_and_one_wasted_window_per_reque
     assert all(int(again) == int(done) + 1 for _, done, again in late), late
     steps = re.search(r"steps: normal (\d+), overlap (\d+)", out)
     assert steps and int(steps[2]) == int(steps[1]) + 1, "the last request's wasted window is a step of its own"
-    lengths = re.search(r"accept lengths: (\d+\.\d\d), (\d+\.\d\d) \(tokens / verify steps\)", out)
+    lengths = re.search(r"accept lengths: (\d+\.\d\d), (\d+\.\d\d) \(tokens / passes\)", out)
     assert lengths and all(1.0 <= float(x) <= 4.0 for x in lengths.groups())
     assert re.search(r"hazard checker: silent \(1 request slot; \d+ host waits, all copy-done\)", out), out
     assert "HazardError" not in out

@@ -1,7 +1,8 @@
 """Chapter 12: MTP in the overlap loop. Step N+1 is launched from the relay before the host has handled
 step N; a request's finish is known one step late (one wasted window, whose tokens reach no client);
-the fence's event comes after the draft extend, the step's last read of the page table; chapter 07's
-four bugs, re-examined with windows; tokens equal the normal loop's and plain greedy's."""
+the fence's event is recorded in the draft extend, right after its page-table read at the start of that
+pass, the step's last read of the page table; chapter 07's four bugs, re-examined with windows; tokens
+equal the normal loop's and plain greedy's."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def windows(llm: LLM, prompt, params: SamplingParams) -> list[list[int]]:
 @pytest.mark.parametrize("k, page_size, max_running", [(1, 4, 2), (2, 1, 3), (3, 16, 2), (4, 4, 1)])
 def test_overlap_with_mtp_gives_the_normal_loops_and_plain_greedy_tokens(k, page_size, max_running):
     """Five prompts, max_tokens 1..40, EOS on, fewer request slots than prompts: the overlap loop with MTP
-    gives the normal loop's tokens, finish reasons and verify steps (the wasted window is not counted),
-    and plain greedy's tokens. Integrity holds after each."""
+    gives the normal loop's tokens, finish reasons and passes (`verify_steps`: the prefill and the verify
+    steps; the wasted window is not counted), and plain greedy's tokens. Integrity holds after each."""
     params = [SamplingParams(max_tokens=n) for n in (40, 1, 17, 33, 9)]
     outs = {}
     for overlap in (False, True):

@@ -39,9 +39,9 @@ def test_every_recorded_row_is_consistent_with_its_own_measurements():
 
 def test_the_recorded_tiny_run_shows_what_mtp_adds():
     """The tiny model's run (bf16, its trained MTP layer, k = 3): tokens/s and ms per token agree; each
-    MTP row accepted 2.5-3.1 tokens per verify step and beats plain decoding in the same loop; the host
-    outlasts the device's plain step, so the overlap loop's gap stays above 0.3 ms at batch 1, and a verify
-    step doubles the host's work."""
+    MTP row accepted 2.5-3.1 tokens per pass (accept length) and beats plain decoding in the same loop;
+    the host outlasts the device's plain step, so the overlap loop's gap stays above 0.3 ms at batch 1, and
+    a verify step doubles the host's work."""
     run = json.loads(RUN.with_name("14-h200-tiny-mtp.json").read_text())
     rows = {(r["batch"], r["system"]): r for r in run["results"]}
     assert {r["shape"] for r in run["results"]} == {"tiny"} and {b for b, _ in rows} == {1, 4, 16}

@@ -22,9 +22,10 @@ tokens/s, ms per token (wall time / new tokens: a step's time, except for MTP, w
 tokens a step), that against the HBM bound (the weight bytes a plain decode step reads over the copy
 bandwidth measured in the same run), the ratio to hf-compile, for minioverlap the median GPU gap
 between steps and the host's CPU time per step (every phase but `wait`), and for MTP the accept length
-(tokens committed per verify step). Results are merged into --out after each batch size, so a long
-sweep can run as several commands, and plotted to --png (tokens/s against batch size; by default beside
-the JSON, --out's or --report's, named as it with .png). Each shape runs in a process of its own.
+(tok/pass: tokens per pass, the prefill and the verify steps). Results are merged into --out after each
+batch size, so a long sweep can run as several commands, and plotted to --png (tokens/s against batch
+size; by default beside the JSON, --out's or --report's, named as it with .png). Each shape runs in a
+process of its own.
 
 --profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler): how many,
 their GPU time, and the costliest by name. --chrome FILE writes both loops' event traces at batch 1 with
@@ -167,7 +168,7 @@ def hf_system(model, prompts: list[list[int]], tokens: int, compiled: bool):
 
 def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: int, mtp: int):
     """An engine of one loop (normal/overlap), eager or with CUDA graphs, drafting `mtp` tokens a step when
-    the name ends in -mtp; probe: (median GPU gap, CPU ms/step, tokens per verify step or None)."""
+    the name ends in -mtp; probe: (median GPU gap, CPU ms/step, tokens per pass or None)."""
     from minioverlap import LLM, SamplingParams
     loop, mode, *spec = name.split("-")
     k = mtp if spec else 0
@@ -349,7 +350,7 @@ def report(record: dict) -> None:
                               f"{record['tokens']} new tokens each; medians")
         columns = ["batch", "system", "tok/s", "ms/token", "x HBM", "x hf-compile", "GPU gap ms", "CPU ms/step"]
         mtp = any("accept" in r for r in rows)
-        for name in columns + ["tok/verify"] * mtp:
+        for name in columns + ["tok/pass"] * mtp:
             table.add_column(name, justify="left" if name == "system" else "right")
         for i, r in enumerate(rows):
             ratio = r["tok_s"] / base[shape, r["batch"]] if (shape, r["batch"]) in base else None

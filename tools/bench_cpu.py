@@ -20,7 +20,7 @@ the work on.
 With --mtp K it measures chapters 09-12 instead: minioverlap with MTP speculative decoding (K drafts
 per step) against the same loop without, in the normal loop and in the overlap loop (chapter 12), at
 batch 1 and at --requests, taking turns the same way, and prints tokens/s side by side with their
-ratio and the accept length (tokens per verify step); besides the ratio of the medians, the median of
+ratio and the accept length (tokens per pass, the prefill's included); besides the ratio of the medians, the median of
 each round's own ratio, which a change in the machine's load between rounds does not skew. Greedy: all
 four produce the same tokens (checked). On a GPU every engine runs eagerly (cuda_graphs=False), as in
 chapters 09-12; `tools/bench.py --shapes tiny` measures MTP with chapter 13's graphs.

@@ -172,16 +172,16 @@ def test_report_shows_the_accept_length_of_the_mtp_rows(tmp_path):
     path.write_text(json.dumps(record))
     done = run_bench("--report", str(path), "--png", str(tmp_path / "plot.png"))
     assert done.returncode == 0, done.stderr
-    assert "tok/verify" in done.stdout
+    assert "tok/pass" in done.stdout
     assert line_of(done.stdout, "overlap-graphs-mtp k=3", "9000").rstrip("│ ").endswith("2.71")
     assert line_of(done.stdout, " 16 ", "overlap-graphs ", "6000").rstrip("│ ").endswith("-")
-    assert done.stdout.count("tok/verify") == 1                   # only the table of the shape with MTP rows
+    assert done.stdout.count("tok/pass") == 1                   # only the table of the shape with MTP rows
 
 
 def test_the_minioverlap_systems_run_and_probe_with_the_engine_on_a_cpu(monkeypatch):
     """The bench's minioverlap systems, with the engine moved to the CPU (no graphs, no GPU gaps): each
     serves the prompts to exactly --tokens new tokens; an -mtp system probes its accept length, the
-    tokens over the verify steps of its last run, and a plain one none."""
+    tokens over the passes of its last run (the prefills and the verify steps), and a plain one none."""
     import minioverlap
     bench = load_bench()
     real = minioverlap.LLM
