@@ -38,8 +38,8 @@ def test_step_n_plus_1_launches_before_the_host_has_token_n():
 
 
 def test_the_sampler_writes_the_next_input_into_token_pool():
-    """Right after launch, before the host handles the step, token_pool[row, seq_len] holds the sampled
-    token (it held -1 before the launch): the step itself wrote it into the device table. The request's
+    """After launch (and the wait for its copy), before the host handles the step, token_pool[row, seq_len]
+    holds the sampled token (it held -1 before the launch): the step itself wrote it into the device table. The request's
     seq_len already counts the launched step (the CPU's state moves at launch); the next step reads it."""
     llm = LLM(model="tiny")
     sched = llm.scheduler
@@ -50,9 +50,9 @@ def test_the_sampler_writes_the_next_input_into_token_pool():
     pool = llm.runner.tables.token_pool
     pool[req.row, len(req.prompt_ids)] = -1                  # no token id: only the step can overwrite it
     out = sched.launch(batch)
+    sched.wait(out)                # on a GPU the step runs on the forward stream: its copy-done event follows the write
     assert req.seq_len == len(req.prompt_ids) and req.output_ids == []
     assert int(pool[req.row, req.seq_len]) == int(out.next_tokens[0]) != -1
-    sched.wait(out)
     sched.process(out)
     nxt = sched.schedule()
     sched.launch(nxt)
