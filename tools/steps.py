@@ -861,9 +861,10 @@ QUOTE = re.compile(r"<!-- out: (?P<texts>\S.*?) -->")
 LOOKS_LIKE_CHECKED = re.compile(r"<!--\s*(output|fig|out)\b")
 # a number as prose prints it, whole: 7, 0.375, 9,006, +9, -0.2, 2.4x (a sign only where no word or digit
 # precedes it; no part of a word such as H200 or ch09)
-NUMBER = re.compile(r"(?<![\w.,])[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d.,]\d|\d)")
+NUMERAL = r"[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"   # 7, 0.375, 9,006, -0.2
+NUMBER = re.compile(rf"(?<![\w.,]){NUMERAL}(?![\d.,]\d|\d)")
 # in a transcript line: a number that changes from run to run, `~` alone or before the number one run printed
-VARIES = re.compile(r" *~(?:[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)? *")
+VARIES = re.compile(rf" *~(?:{NUMERAL})? *")
 FIGURES = "chapters/figures"
 COLUMNS = "80"  # the terminal width transcripts are printed at (rich reads COLUMNS)
 FUNCTIONS = {"min": min, "max": max, "sum": lambda *v: sum(v), "abs": abs, "mean": lambda *v: sum(v) / len(v)}
@@ -965,7 +966,7 @@ def shown_matches(shown: list[str], printed: list[str]) -> bool:
 
     def line_pattern(line: str) -> re.Pattern:
         parts = VARIES.split(line)
-        number = r" *[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)? *"
+        number = rf" *{NUMERAL} *"
         return re.compile(number.join(re.escape(p) for p in parts) + r"\Z")
 
     want, got = trim(shown), trim(printed)
@@ -1183,7 +1184,7 @@ def quote_errors(lines: list[str], rel: str) -> list[str]:
                 for printed, text in zip(numbers, texts):
                     before, _, after = (re.sub(r"\s+", " ", p) for p in text.partition("~"))
                     pattern = re.compile(r" +".join(map(re.escape, before.split(" "))) + r" *"
-                                         r"((?:[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?))"
+                                         rf"({NUMERAL})"
                                          + r" *" + r" +".join(map(re.escape, after.split(" "))))
                     values = [m2.group(1) for s in shown for m2 in [pattern.search(s)] if m2]
                     if not values:
