@@ -20,7 +20,7 @@ class NaiveScheduler(Scheduler):
     def process(self, out: StepOutput) -> list[Reply]:
         self.in_flight.remove(out)
         replies = []
-        for req, token in zip(out.batch.reqs, out.next_tokens_cpu.tolist()):
+        for req, token in zip(out.batch.reqs, out.next_tokens_cpu[:, 0].tolist()):
             req.output_ids.append(token)                       # no check for a request finished earlier
             if token in req.stop_ids or not req.can_decode:    # the launched length: one step ahead
                 req.finish_reason = "stop" if token in req.stop_ids else "length"

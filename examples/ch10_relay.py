@@ -25,7 +25,7 @@ fields = ("req_pool_indices", "positions", "out_cache_loc", "seq_lens")
 for name in fields:
     value = getattr(batch, name)
     console.print(f"{name:17} {value.tolist() if value is not None else None}")
-console.print(f"{'draft_inputs':17} {batch.draft_inputs}")
+console.print(f"{'drafter inputs':17} none: the relay holds them")
 
 console.rule("the relay's rows of those slots (on the device)")
 table = Table("slot", "request", "new_seq_lens", "draft_token", "hidden[:4]", "host's seq_len")
@@ -37,14 +37,13 @@ for req in reqs:
 console.print(table)
 
 console.rule("the step lays its window out from them, on the device")
-runner.resolve(batch)
+batch, (first, hidden) = runner.resolve(batch)      # a new batch: the one the host built stays as it was
 W = batch.extend_lens[0]
 for name in ("positions", "out_cache_loc"):
     rows = getattr(batch, name).view(len(reqs), W).tolist()
     console.print(f"{name:17} " + "   ".join(f"slot {r.row}: {row}" for r, row in zip(reqs, rows)))
 console.print(f"{'seq_lens':17} {batch.seq_lens.tolist()}")
-console.print(f"{'draft_inputs':17} first drafts {batch.draft_inputs[0].tolist()}, "
-              f"hidden states {list(batch.draft_inputs[1].shape)}")
+console.print(f"{'drafter inputs':17} first drafts {first.tolist()}, hidden states {list(hidden.shape)}")
 console.print("positions start at each slot's new_seq_lens; the KV slots are req_to_token's at those positions")
 
 llm.abort(reqs[0].uid)

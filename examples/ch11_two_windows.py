@@ -77,7 +77,7 @@ def main() -> None:
     prompt, tokens = "def fibonacci(n):", 48
     console.rule(f"a real run: {prompt!r}, max_tokens={tokens}, k = {K}, the normal loop")
     llm = LLM(model="tiny", overlap=False, mtp_steps=K)
-    pages_for = llm.runner.pages_for
+    pages_for = llm.runner.allocator.pages_for
     P, steps = run_one(llm, prompt, SamplingParams(max_tokens=tokens))
     table = Table("step", "host's count", "reserved up to", "window", "accepted", "pages", "1 window",
                   caption="pages: held once the step is built; 1 window: what chapter 09 held")

@@ -56,7 +56,8 @@ def main() -> None:
 
     def recording(req, tokens, out):                   # listen in: what a step accepted, what the client got
         reply = handle_window(req, tokens, out)
-        windows.append((out.step, req.uid, len(tokens), len(reply.token_ids)))
+        if reply is not None:                          # None: a window of a request that had finished
+            windows.append((out.step, req.uid, len(tokens), len(reply.token_ids)))
         return reply
 
     engines["overlap"].scheduler.handle_window = recording

@@ -31,11 +31,11 @@ for req in reqs:
 llm.scheduler.normal_loop()                                  # the prefill; the next step decodes all five
 batch = llm.runner.batch(ForwardMode.DECODE, reqs)
 ctx = llm.runner.attention(batch)                            # the step's page table, read before any replay
-llm.runner.read_inputs(batch)                                # and its input tokens
+input_ids = llm.runner.read_inputs(batch)                    # and its input tokens
 buckets = graph_buckets(8)
 b = bucket_for(len(reqs), buckets)
 inputs = StaticInputs(buckets[-1], ctx.page_table.shape[1] + 4, llm.config.vocab_size, torch.int32, llm.device)
-inputs.load(batch, ctx.page_table, b)
+inputs.load(batch, input_ids, ctx.page_table, b)
 table = Table("row", "token", "position", "KV slot", "keys", "page table[:4]", "")
 for i in range(b):
     table.add_row(str(i), str(inputs.input_ids[i].item()), str(inputs.positions[i].item()),

@@ -8,9 +8,6 @@ contiguous cache (01), on the paged cache (02), one batch for all prompts (03), 
 from __future__ import annotations
 
 import operator
-# >>> ch02: the pool's size against the device's memory
-import os
-# <<< ch02
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,8 +39,8 @@ from minioverlap.scheduler.scheduler import Reply, Scheduler
 # >>> ch08: the hazard checker
 from minioverlap.device.hazard import HazardChecker
 # <<< ch08
-# >>> ch09: the MTP drafter, and how far its windows reach
-from minioverlap.engine.forward_batch import window_slack
+# >>> ch09: the MTP drafter, and the runner that speculates with it
+from minioverlap.engine.speculative import SpecRunner
 from minioverlap.model.mtp import load_mtp
 # <<< ch09
 
@@ -86,10 +83,6 @@ class LLM:
         # >>> ch02: the paged cache
         self.runner = self.make_runner()
         # <<< ch02
-        # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
-        if self.args.mtp_steps:
-            self.runner.init_drafter(load_mtp(self.model_dir, self.model), self.args.mtp_steps)
-        # <<< ch09
         # >>> ch13: the decode (or verify) step captured as CUDA graphs (on for CUDA unless cuda_graphs=False)
         if use_cuda_graphs(self.args):
             self.runner.init_graphs(self.max_running)
@@ -100,31 +93,24 @@ class LLM:
     # >>> ch02: the paged cache
 
     def make_runner(self) -> ModelRunner:
-        """The model runner with its pool of pages and its request slots (one before chapter 03)."""
+        """The model runner with its pool of pages and its request slots (one before chapter 03); from
+        chapter 09, with mtp_steps, the runner that speculates with the MTP drafter."""
         # >>> ch03 replaces ch02: many request slots
         #| self.max_running = 1
         self.max_running = _check_int("max_running", self.args.max_running, 1)
         # <<< ch03
         page_size = _check_int("page_size", self.args.page_size, 1)
-        num_pages = self.args.num_pages
-        num_pages = self.default_pages(page_size) if num_pages is None else num_pages
-        num_pages = _check_int("num_pages", num_pages, 2)
-        _check_memory(self, num_pages, page_size)
-        # >>> ch08 replaces ch02: the guards, and the checker for everything that records accesses
-        #| return ModelRunner(self.model, num_pages=num_pages, page_size=page_size, max_running=self.max_running,
-        #|                    max_seq_len=self.max_seq_len)
-        return ModelRunner(self.model, num_pages=num_pages, page_size=page_size, max_running=self.max_running,
-                           max_seq_len=self.max_seq_len, guards=self.args.resolved_guards(),
-                           hazards=HazardChecker() if self.args.hazard_check else None)
-        # <<< ch08
-
-    def default_pages(self, page_size: int) -> int:
-        """Pages for every request slot to hold a whole context at once (page 0 is never handed out)."""
-        # >>> ch09 replaces ch02: with MTP, and the slots its verify windows reach past its last token
-        #| tokens = self.max_seq_len
-        tokens = self.max_seq_len + window_slack(self.args.mtp_steps)
+        num_pages = None if self.args.num_pages is None else _check_int("num_pages", self.args.num_pages, 2)
+        sizes = dict(num_pages=num_pages, page_size=page_size, max_running=self.max_running, max_seq_len=self.max_seq_len,
+                     # >>> ch08: the guards, and the checker for everything that records accesses
+                     guards=self.args.resolved_guards(), hazards=HazardChecker() if self.args.hazard_check else None,
+                     # <<< ch08
+                     )
+        # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
+        if self.args.mtp_steps:
+            return SpecRunner(self.model, load_mtp(self.model_dir, self.model), self.args.mtp_steps, **sizes)
         # <<< ch09
-        return self.max_running * -(-tokens // page_size) + 1
+        return ModelRunner(self.model, **sizes)
     # <<< ch02
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -246,28 +232,17 @@ class LLM:
         for uid in aborted:                      # sent before the run started: they reach it now
             self.scheduler.abort(uid)
         self.serving = True
+        # >>> ch06 replaces ch04: the loop the options ask for
+        #| replies = self.scheduler.run()
+        replies = self.scheduler.run(self.args.overlap)
+        # <<< ch06
         try:
-            yield from self._loop()
+            yield from replies
         except BaseException:                    # GeneratorExit (the consumer left) included
             self.scheduler.abandon()
             raise
         finally:
             self.serving = False
-
-    def _loop(self) -> Iterator[Reply]:
-        self.scheduler.start_run()
-        # >>> ch06 replaces ch04: both loops, side by side
-        #| while self.scheduler.busy:
-        #|     yield from self.scheduler.normal_loop()
-        last = None                              # the overlap loop's step in flight
-        while self.scheduler.busy or last is not None:
-            with self.runner.streams.schedule():  # the engine's stream for one iteration, never across a yield
-                if self.args.overlap:
-                    last, replies = self.scheduler.overlap_loop(last)
-                else:
-                    replies = self.scheduler.normal_loop()
-            yield from replies
-        # <<< ch06
 
     @property
     def trace(self) -> Trace:
@@ -303,40 +278,6 @@ def _token_id(field: str, value: object) -> int:
     if number is None:
         raise ValueError(f"{field} token id {value!r} is not an integer")
     return number
-# >>> ch02: the pool's size against the device's memory
-
-
-def _check_memory(llm: LLM, num_pages: int, page_size: int) -> None:
-    """Refuse a KV pool and request tables larger than the device's memory, before torch tries to allocate
-    them (and fails with a MemoryError or an OverflowError that names no argument)."""
-    c, layers = llm.config, llm.config.num_hidden_layers
-    # >>> ch09: the drafter's KV is one layer more
-    layers += llm.args.mtp_steps > 0
-    # <<< ch09
-    slot = layers * 2 * c.num_key_value_heads * c.head_dim * llm.dtype.itemsize   # K and V of one token
-    kv = num_pages * page_size * slot
-    tables = 2 * (llm.max_running + 1) * llm.max_seq_len * 4   # req_to_token and token_pool, int32
-    have, where = _device_memory(llm.device)
-    if kv + tables > have:
-        raise ValueError(f"num_pages={num_pages}, page_size={page_size} and max_running={llm.max_running} need "
-                         f"{_gib(kv + tables)}, more than {where} ({_gib(have)}): the KV pool is num_pages x page_size "
-                         f"x {slot} bytes = {_gib(kv)}, the request tables 2 x (max_running + 1) x max_seq_len "
-                         f"x 4 bytes = {_gib(tables)}")
-
-
-def _device_memory(device: str) -> tuple[int, str]:
-    """Bytes the pool and tables may take: on a GPU what is free (the weights are there already), on CPU
-    the machine's physical memory."""
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info(torch.device(device))[0], f"the free memory of {device}"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's physical memory"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3g} GiB"
-# <<< ch02
-
-
 def _engine_args(model: str, options: dict) -> EngineArgs:
     unknown = sorted(set(options) - set(EngineArgs.__dataclass_fields__))
     if unknown:

@@ -106,7 +106,7 @@ def test_finished_requests_leave_the_batch(llm):
     """The batch is rebuilt every step: a request that is done stops being computed at once."""
     sizes = []
     forward = llm.runner.forward
-    llm.runner.forward = lambda batch: sizes.append((batch.mode, len(batch.reqs))) or forward(batch)
+    llm.runner.forward = lambda batch, *inputs: sizes.append((batch.mode, len(batch.reqs))) or forward(batch, *inputs)
     reqs = [llm.make_request([5, 6, 7], SamplingParams(max_tokens=n, ignore_eos=True)) for n in (2, 4, 6)]
     try:
         generate_batch(llm.runner, reqs)
@@ -127,8 +127,7 @@ def test_the_step_reads_its_inputs_from_token_pool(llm):
         llm.runner.tables.write_tokens(req.row, req.seq_len, [777])
         req.output_ids.append(777)             # the host's copy, as if 777 had been sampled
         batch = llm.runner.batch(ForwardMode.DECODE, [req])
-        llm.runner.forward(batch)
-        assert batch.input_ids.tolist() == [777] and batch.positions.tolist() == [3]
+        assert llm.runner.read_inputs(batch).tolist() == [777] and batch.positions.tolist() == [3]
     finally:
         llm.runner.release(req)
 

@@ -27,7 +27,7 @@ def test_step_n_plus_1_launches_before_the_host_has_token_n():
         out = sched.launch(sched.schedule())                  # step N+1, with step N unhandled ...
         if torch.cuda.is_available():
             torch.cuda.synchronize()                          # the test's own look at the device tensors
-        assert out.batch.input_ids.tolist() == last.next_tokens.tolist(), "... runs on step N's tokens"
+        assert out.input_ids.tolist() == last.next_tokens[:, 0].tolist(), "... runs on step N's tokens"
         sched.wait(last)
         sched.process(last)                                   # ... and only then step N's tokens arrive
         last = out
@@ -52,12 +52,11 @@ def test_the_sampler_writes_the_next_input_into_token_pool():
     out = sched.launch(batch)
     sched.wait(out)                # on a GPU the step runs on the forward stream: its copy-done event follows the write
     assert req.seq_len == len(req.prompt_ids) and req.output_ids == []
-    assert int(pool[req.row, req.seq_len]) == int(out.next_tokens[0]) != -1
+    assert int(pool[req.row, req.seq_len]) == int(out.next_tokens[0, 0]) != -1
     sched.process(out)
-    nxt = sched.schedule()
-    sched.launch(nxt)
-    assert nxt.input_ids.tolist() == [req.output_ids[-1]] and nxt.positions.tolist() == [req.seq_len - 1]
-    assert torch.equal(nxt.input_ids.cpu(), out.next_tokens.cpu())
+    nxt = sched.launch(sched.schedule())
+    assert nxt.input_ids.tolist() == [req.output_ids[-1]] and nxt.batch.positions.tolist() == [req.seq_len - 1]
+    assert torch.equal(nxt.input_ids.cpu(), out.next_tokens[:, 0].cpu())
 
 
 @pytest.mark.process

@@ -47,12 +47,12 @@ def test_an_in_flight_step_keeps_its_batch_alive():
     freed (on a GPU the caching allocator would hand that memory to the next step)."""
     llm = LLM(model="tiny", overlap=True)
     sched, ran, forward = llm.scheduler, [], llm.runner.forward
-    llm.runner.forward = lambda batch: ran.append(batch) or forward(batch)      # the batch the step runs on
+    llm.runner.forward = lambda batch, *inputs: ran.append(batch) or forward(batch, *inputs)   # the batch the step runs on
     for req in llm.make_requests(PROMPTS[:2], SamplingParams(max_tokens=4)):
         sched.add_request(req)
     last, _ = sched.overlap_loop(None)
     [b] = ran
-    alive = [weakref.ref(x) for x in (b, b.input_ids, b.positions, b.out_cache_loc, b.seq_lens, last.next_tokens)]
+    alive = [weakref.ref(x) for x in (b, last.input_ids, b.positions, b.out_cache_loc, b.seq_lens, last.next_tokens)]
     del last, b
     ran.clear()
     gc.collect()

@@ -140,7 +140,7 @@ def test_a_prompt_that_can_never_fit_refuses_the_whole_list(fresh_tokens):
 def test_a_failing_step_frees_its_requests(llm, fresh_tokens, monkeypatch):
     """An error the engine did not foresee, raised by a step's forward pass: it reaches the caller, and
     the requests of the run do not stay in `running` to poison the next call."""
-    def broken(batch):
+    def broken(batch, *inputs):
         raise RuntimeError("planted failure")
 
     monkeypatch.setattr(llm.runner, "forward", broken)

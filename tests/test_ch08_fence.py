@@ -153,7 +153,7 @@ def test_the_fence_opens_after_the_step_reads_not_at_its_end():
     sched.add_request(llm.make_requests("def f(x):", SamplingParams(max_tokens=2))[0])
     with llm.runner.streams.schedule():
         last, _ = sched.overlap_loop(None)                  # step 1 launched, fenced
-    read_done = last.batch.read_done.clock["forward"]
+    read_done = last.read_done.clock["forward"]
     assert h.clocks["schedule"]["forward"] == read_done < h.clocks["forward"]["forward"]
 
 
@@ -220,10 +220,11 @@ def fail_the_third_step(llm: LLM, error: BaseException) -> None:
     read_inputs, calls = llm.runner.read_inputs, []
 
     def failing(batch):
-        read_inputs(batch)                      # the step's reads of the shared tables are queued
+        input_ids = read_inputs(batch)          # the step's reads of the shared tables are queued
         calls.append(1)
         if len(calls) == 3:
             raise error
+        return input_ids
 
     llm.runner.read_inputs = failing
     try:

@@ -274,7 +274,7 @@ def test_requests_wait_for_pages_and_lose_nothing(engines):
               max_seq_len=SEQ_LEN)
     prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12, 13, 14] for i in range(5)]
     params = SamplingParams(max_tokens=19, ignore_eos=True)
-    assert llm.scheduler.pages_needed(llm.make_request(prompts[0], params)) == -(-(10 + 19 - 1 + window_slack(3)) // 4)
+    assert llm.runner.pages_needed(llm.make_request(prompts[0], params)) == -(-(10 + 19 - 1 + window_slack(3)) // 4)
     most_running, waited = 0, False
     with no_hang(60):
         for _ in llm.stream(prompts, params):

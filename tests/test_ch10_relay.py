@@ -40,7 +40,7 @@ def test_a_verify_batch_from_the_host_holds_slot_numbers_only():
     batch = llm.runner.batch(ForwardMode.DECODE, [req])
     assert batch.mode is ForwardMode.TARGET_VERIFY and batch.req_pool_indices.tolist() == [req.row]
     assert batch.positions is None and batch.out_cache_loc is None and batch.seq_lens is None
-    assert batch.draft_inputs is None
+    assert not hasattr(batch, "draft_inputs")
 
 
 def test_resolve_lays_the_window_out_from_the_relay():
@@ -53,12 +53,13 @@ def test_resolve_lays_the_window_out_from_the_relay():
     L = len(req.prompt_ids)
     assert relay.new_seq_lens[req.row].item() == L == req.seq_len
     batch = llm.runner.batch(ForwardMode.DECODE, [req])
-    llm.runner.resolve(batch)
+    built = batch
+    batch, (draft, hidden) = llm.runner.resolve(batch)
+    assert built.positions is None, "the batch the host built is left as it is: resolve gives a new one"
     assert batch.positions.tolist() == list(range(L, L + k + 1))
     assert batch.out_cache_loc.tolist() == tables.req_to_token[req.row, L:L + k + 1].tolist()
     assert batch.out_cache_loc.tolist() == llm.runner.allocator.kv_slots(req.pages, L, L + k + 1)
     assert batch.seq_lens.tolist() == [L + k + 1]
-    draft, hidden = batch.draft_inputs
     assert draft.tolist() == [relay.draft_token[req.row].item()]
     assert torch.equal(hidden[0], relay.hidden[req.row])
 

@@ -97,12 +97,13 @@ def test_the_engines_windows_land_on_reserved_slots(overlap):
         return batch
 
     def resolved(batch):
-        resolve(batch)
+        batch, inputs = resolve(batch)
         positions = batch.positions.view(len(batch.reqs), W).tolist()
         loc = batch.out_cache_loc.view(len(batch.reqs), W).tolist()
         for req, pos, slots in zip(batch.reqs, positions, loc):
             assert pos[-1] < req.kv_len, f"request {req.uid}: window {pos} past its reservation {req.kv_len}"
             assert slots == runner.allocator.kv_slots(req.pages, pos[0], pos[-1] + 1)
+        return batch, inputs
 
     runner.batch, runner.resolve = built, resolved
     with no_hang(60):
@@ -121,7 +122,7 @@ def test_admission_counts_two_windows_past_the_last_token(prompt_len, max_tokens
     llm = LLM(overlap=False, mtp_steps=k, page_size=page_size, max_seq_len=256)
     req = llm.make_request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
     positions = prompt_len + max_tokens - 1 + 2 * k + 1
-    assert llm.scheduler.pages_needed(req) == -(-positions // page_size)
+    assert llm.runner.pages_needed(req) == -(-positions // page_size)
 
 
 def test_two_requests_that_fit_the_pool_exactly_run_together_one_page_less_and_one_waits():

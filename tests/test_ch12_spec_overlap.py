@@ -256,7 +256,8 @@ def test_the_checker_is_told_of_every_cell_a_window_touches():
         def run(batch, *args):
             result = method(batch, *args)
             W = batch.extend_lens[0]
-            starts = batch.positions.view(len(batch.reqs), W)[:, 0].tolist()
+            positions = args[0] if method.__name__ == "kv_slots_at" else batch.positions.view(len(batch.reqs), W)
+            starts = positions[:, 0].tolist()
             actual = {(row, L + j) for row, L in zip(batch.rows, starts) for j in range(first, last)}
             assert actual <= recording.last, f"{method.__name__}: {sorted(actual - recording.last)} not recorded"
             checked.append(method.__name__)
@@ -284,7 +285,7 @@ def test_the_fence_waits_on_the_event_of_the_step_just_launched():
 
     def launched(batch):
         out = launch(batch)
-        assert waited[-1] is out.batch.read_done and waited[-1] is not None
+        assert waited[-1] is out.read_done and waited[-1] is not None
         return out
 
     sched.launch = launched

@@ -37,11 +37,12 @@ def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
     assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 8, 9, 17, 33, 49, 64)] == [1, 2, 4, 8, 8, 16, 32, 48, 64, 64]
 
 
-def decode_batch(tokens, positions, slots, seq_lens) -> ForwardBatch:
+def decode_batch(positions, slots, seq_lens) -> ForwardBatch:
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)         # noqa: E731
-    B = len(tokens)
-    return ForwardBatch(ForwardMode.DECODE, [None] * B, t(tokens), t(positions), t(slots), t(range(B)), t(seq_lens),
-                       [0] * B, [1] * B, list(range(B)), [], t(range(B)))
+    B = len(positions)
+    return ForwardBatch(ForwardMode.DECODE, [None] * B, positions=t(positions), out_cache_loc=t(slots),
+                        req_pool_indices=t(range(B)), seq_lens=t(seq_lens), prefix_lens=[0] * B, extend_lens=[1] * B,
+                        rows=list(range(B)), pages=[], last_index=t(range(B)))
 
 
 def test_a_batch_of_5_is_padded_to_the_bucket_of_8_with_rows_that_touch_only_slot_0():
@@ -51,10 +52,10 @@ def test_a_batch_of_5_is_padded_to_the_bucket_of_8_with_rows_that_touch_only_slo
     inputs = StaticInputs(8, 12, 50, torch.int32, torch.device("cpu"))
     inputs.input_ids.fill_(7), inputs.positions.fill_(7), inputs.out_cache_loc.fill_(7), inputs.seq_lens.fill_(7)
     inputs.page_table.fill_(7)
-    batch = decode_batch([11, 12, 13, 14, 15], [3, 4, 5, 6, 7], [21, 22, 23, 24, 25], [4, 5, 6, 7, 8])
+    batch, input_ids = decode_batch([3, 4, 5, 6, 7], [21, 22, 23, 24, 25], [4, 5, 6, 7, 8]), torch.tensor([11, 12, 13, 14, 15])
     page_table = torch.arange(1, 41, dtype=torch.int32).view(5, 8)
     b = bucket_for(5, graph_buckets(8))
-    inputs.load(batch, page_table, b)
+    inputs.load(batch, input_ids, page_table, b)
     assert b == 8
     assert inputs.input_ids.tolist() == [11, 12, 13, 14, 15, 0, 0, 0]
     assert inputs.positions.tolist() == [3, 4, 5, 6, 7, 0, 0, 0]
@@ -69,8 +70,8 @@ def test_a_smaller_batch_later_pads_over_what_a_larger_one_left():
     """Buffers are shared by every bucket: after a batch of 8, a batch of 3 in the bucket of 4 pads row 3
     afresh, and rows 4..7 (outside its bucket) are not read by its graph."""
     inputs = StaticInputs(8, 4, 10, torch.int32, torch.device("cpu"))
-    inputs.load(decode_batch([1] * 8, [2] * 8, [3] * 8, [4] * 8), torch.full((8, 4), 9, dtype=torch.int32), 8)
-    inputs.load(decode_batch([5, 5, 5], [6, 6, 6], [7, 7, 7], [8, 8, 8]), torch.full((3, 2), 2, dtype=torch.int32), 4)
+    inputs.load(decode_batch([2] * 8, [3] * 8, [4] * 8), torch.tensor([1] * 8), torch.full((8, 4), 9, dtype=torch.int32), 8)
+    inputs.load(decode_batch([6, 6, 6], [7, 7, 7], [8, 8, 8]), torch.tensor([5, 5, 5]), torch.full((3, 2), 2, dtype=torch.int32), 4)
     assert inputs.input_ids[:4].tolist() == [5, 5, 5, 0] and inputs.out_cache_loc[:4].tolist() == [7, 7, 7, 0]
     assert inputs.seq_lens[:4].tolist() == [8, 8, 8, 1] and inputs.page_table[3].tolist() == [0, 0, 0, 0]
 
@@ -144,7 +145,7 @@ def test_a_verify_step_of_3_is_padded_to_the_bucket_of_4(stand_in):
     graphs, W = llm.runner.graphs, 3
     sizes = []
     draft = graphs.draft
-    graphs.draft = lambda batch, page_table: sizes.append(len(batch.reqs)) or draft(batch, page_table)
+    graphs.draft = lambda batch, *inputs: sizes.append(len(batch.reqs)) or draft(batch, *inputs)
     for buffer in (graphs.input_ids, graphs.next_ids, graphs.positions, graphs.out_cache_loc, graphs.seq_lens,
                    graphs.page_table, graphs.draft_token, graphs.draft_hidden, graphs.last):
         buffer.fill_(7)

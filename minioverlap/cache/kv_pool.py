@@ -2,10 +2,13 @@
 """The KV pool: per layer, one K and one V tensor of shape [num_slots, kv_heads, head_dim].
 
 A token's keys and values live at one KV slot, the same slot in every layer. Which slot belongs to which
-token of which request is not the pool's business: the req_to_token table says that.
+token of which request is not the pool's business: the req_to_token table says that. How large the
+pool may be (the pages a default pool holds, the device's memory) is worked out here too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -21,3 +24,36 @@ class KVPool:
         """Write the K and V of this step's tokens [T, kv_heads, head_dim] at KV slots loc [T]."""
         self.k[layer_id][loc] = k
         self.v[layer_id][loc] = v
+
+
+def default_pages(max_running: int, max_seq_len: int, page_size: int) -> int:
+    """Pages for every request slot to hold a whole row of max_seq_len tokens at once (page 0 is never
+    handed out)."""
+    return max_running * -(-max_seq_len // page_size) + 1
+
+
+def check_memory(num_pages: int, page_size: int, slot_bytes: int, max_running: int, max_seq_len: int,
+                 device: str) -> None:
+    """Refuse a KV pool (slot_bytes a token, all layers) and request tables larger than the device's
+    memory, before torch tries to allocate them (and fails with a MemoryError or an OverflowError that
+    names no argument)."""
+    kv = num_pages * page_size * slot_bytes
+    tables = 2 * (max_running + 1) * max_seq_len * 4   # req_to_token and token_pool, int32
+    have, where = device_memory(device)
+    if kv + tables > have:
+        raise ValueError(f"num_pages={num_pages}, page_size={page_size} and max_running={max_running} need "
+                         f"{gib(kv + tables)}, more than {where} ({gib(have)}): the KV pool is num_pages x page_size "
+                         f"x {slot_bytes} bytes = {gib(kv)}, the request tables 2 x (max_running + 1) x max_seq_len "
+                         f"x 4 bytes = {gib(tables)}")
+
+
+def device_memory(device: str) -> tuple[int, str]:
+    """Bytes the pool and tables may take: on a GPU what is free (the weights are there already), on CPU
+    the machine's physical memory."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0], f"the free memory of {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's physical memory"
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"

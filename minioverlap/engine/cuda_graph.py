@@ -21,16 +21,14 @@ step is a verify step, captured as three graphs per bucket with the accept rule 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
+from minioverlap.cache.kv_pool import KVPool
 from minioverlap.engine.attention import PagedAttention
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
-from minioverlap.engine.speculative import draft, extend_rows
-
-if TYPE_CHECKING:
-    from minioverlap.engine.model_runner import ModelRunner
+from minioverlap.model.qwen3 import Qwen3ForCausalLM
 
 
 def capture(device: torch.device, forward: Callable[[], None], pool=None) -> torch.cuda.CUDAGraph:
@@ -73,15 +71,16 @@ class StaticInputs:
     def batch(self, b: int) -> ForwardBatch:
         """A decode batch of b rows over the buffers: what every replay of bucket b reads."""
         rows = torch.arange(b, device=self.input_ids.device)
-        return ForwardBatch(ForwardMode.DECODE, [], self.input_ids[:b], self.positions[:b], self.out_cache_loc[:b],
-                            rows, self.seq_lens[:b], [0] * b, [1] * b, [0] * b, [], rows)
+        return ForwardBatch(ForwardMode.DECODE, [], positions=self.positions[:b], out_cache_loc=self.out_cache_loc[:b],
+                            req_pool_indices=rows, seq_lens=self.seq_lens[:b], prefix_lens=[0] * b, extend_lens=[1] * b,
+                            rows=[0] * b, pages=[], last_index=rows)
 
-    def load(self, batch: ForwardBatch, page_table: torch.Tensor, b: int) -> None:
+    def load(self, batch: ForwardBatch, input_ids: torch.Tensor, page_table: torch.Tensor, b: int) -> None:
         """The step's B rows into the buffers, rows B..b-1 padding: token 0 at position 0, one key
         visible, K and V written to KV slot 0, a page table of zeros (KV slot 0 again)."""
         B, L = page_table.shape
         # >>> exercise 13.1: pad a batch to its bucket
-        for static, value, pad in ((self.input_ids, batch.input_ids, 0), (self.positions, batch.positions, 0),
+        for static, value, pad in ((self.input_ids, input_ids, 0), (self.positions, batch.positions, 0),
                                    (self.out_cache_loc, batch.out_cache_loc, 0), (self.seq_lens, batch.seq_lens, 1)):
             static[:B] = value
             static[B:b] = pad
@@ -93,34 +92,33 @@ class StaticInputs:
 class DecodeGraphs:
     """One captured decode forward per bucket, over one set of static buffers."""
 
-    def __init__(self, runner: ModelRunner, max_running: int) -> None:
-        self.buckets = graph_buckets(max_running)
-        tables = runner.tables.req_to_token
-        self.inputs = StaticInputs(self.buckets[-1], tables.shape[1], runner.model.config.vocab_size, tables.dtype,
-                                   runner.device)
+    def __init__(self, model: Qwen3ForCausalLM, kv_pool: KVPool, table: torch.Tensor, max_running: int) -> None:
+        """Graphs of `model`'s decode forward over `kv_pool`, for page tables as wide as req_to_token (`table`)."""
+        self.buckets, device = graph_buckets(max_running), table.device
+        self.inputs = StaticInputs(self.buckets[-1], table.shape[1], model.config.vocab_size, table.dtype, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for b in reversed(self.buckets):                 # the largest first: the others reuse its memory
-            self.graphs[b] = capture(runner.device, self.forward(runner, b), pool)
+            self.graphs[b] = capture(device, self.forward(model, kv_pool, b), pool)
             pool = self.graphs[b].pool()
 
-    def forward(self, runner: ModelRunner, b: int) -> Callable[[], None]:
+    def forward(self, model: Qwen3ForCausalLM, kv_pool: KVPool, b: int) -> Callable[[], None]:
         """What bucket b's graph records: the model over its static batch, logits into the buffer."""
-        batch, logits = self.inputs.batch(b), self.inputs.logits
-        ctx = PagedAttention(runner.kv_pool, self.inputs.page_table[:b], batch)
+        batch, inputs = self.inputs.batch(b), self.inputs
+        ctx = PagedAttention(kv_pool, inputs.page_table[:b], batch)
 
         def forward() -> None:
-            logits[:b] = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, ctx))
+            inputs.logits[:b] = model.compute_logits(model(inputs.input_ids[:b], batch.positions, ctx))
         return forward
 
     def fits(self, batch: ForwardBatch) -> bool:
         """A plain decode step (at most max_running rows, the largest bucket)."""
         return batch.mode is ForwardMode.DECODE
 
-    def replay(self, batch: ForwardBatch, page_table: torch.Tensor) -> torch.Tensor:
+    def replay(self, batch: ForwardBatch, input_ids: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """The step's inputs into the static buffers, padded to its bucket; one replay -> logits [B, vocab]."""
         b = bucket_for(len(batch.reqs), self.buckets)
-        self.inputs.load(batch, page_table, b)
+        self.inputs.load(batch, input_ids, page_table, b)
         self.graphs[b].replay()
         return self.inputs.logits[:len(batch.reqs)]
 
@@ -138,21 +136,25 @@ class SpecGraphs:
         target         the target over the windows  + the window's tokens, read from token_pool
         draft extend   the MTP layer over them      + the accepted tokens and the last accepted rows
 
-    Between the replays the step's glue runs eagerly, exactly as in an eager step: the drafts into
-    token_pool, the verify's inputs read back, the LM head and the accept rule (a sampled request draws
-    from its own generator), the window into token_pool, the relay; and the draft extend reads the page
-    table itself, before its replay, so the fence's event still follows the step's last shared read
-    (chapter 12). A bucket of b requests holds b*W window rows (W = k+1); a padded request's W rows read
-    token 0 at position 0 and write KV slot 0, as a padded decode row does."""
+    The graphs offer the eager passes' methods (SpecRunner.draft, target, extend_rows), with the same
+    arguments, so a verify step runs either without telling them apart. Between the replays the step's
+    glue runs eagerly, exactly as in an eager step: the drafts into token_pool, the verify's inputs read
+    back, the LM head and the accept rule (a sampled request draws from its own generator), the window
+    into token_pool, the relay; and the draft extend reads the page table itself, before its replay, so
+    the fence's event still follows the step's last shared read (chapter 12). A bucket of b requests
+    holds b*W window rows (W = k+1); a padded request's W rows read token 0 at position 0 and write KV
+    slot 0, as a padded decode row does."""
 
-    def __init__(self, runner: ModelRunner, max_running: int) -> None:
-        self.buckets, self.window = graph_buckets(max_running), runner.mtp_steps + 1
-        n, W, dev = self.buckets[-1], self.window, runner.device
-        tables, hidden = runner.tables.req_to_token, runner.relay.hidden
+    def __init__(self, draft: Callable, target: Callable, extend_rows: Callable, *, kv_pool: KVPool,
+                 table: torch.Tensor, hidden: torch.Tensor, window: int, max_running: int) -> None:
+        """Graphs of the three eager passes over `kv_pool`, for page tables as wide as req_to_token
+        (`table`) and MTP hidden states like the relay's (`hidden`)."""
+        self.buckets, self.window = graph_buckets(max_running), window
+        n, W, dev = self.buckets[-1], window, table.device
         self.input_ids, self.next_ids, self.positions, self.out_cache_loc = (
             torch.zeros(n * W, dtype=torch.int64, device=dev) for _ in range(4))
         self.seq_lens = torch.full((n,), W, dtype=torch.int64, device=dev)
-        self.page_table = torch.zeros(n, tables.shape[1], dtype=tables.dtype, device=dev)
+        self.page_table = torch.zeros(n, table.shape[1], dtype=table.dtype, device=dev)
         self.draft_token, self.first = torch.zeros(n, dtype=torch.int64, device=dev), torch.zeros_like(self.seq_lens)
         self.draft_hidden, self.next_hidden = torch.zeros_like(hidden[:n]), torch.zeros_like(hidden[:n])
         self.pad_last = torch.arange(n, device=dev) * W          # a padded request's last row: its first
@@ -162,62 +164,64 @@ class SpecGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ...]] = {}
         pool = None
         for b in reversed(self.buckets):
-            self.graphs[b] = tuple(capture(dev, forward, pool) for forward in self.passes(runner, b))
+            passes = self.passes(b, PagedAttention(kv_pool, self.page_table[:b], self.batch(b)), draft, target, extend_rows)
+            self.graphs[b] = tuple(capture(dev, forward, pool) for forward in passes)
             pool = self.graphs[b][0].pool()
 
     def batch(self, b: int) -> ForwardBatch:
         """A verify batch of b requests over the buffers: what bucket b's graphs read."""
         W, rows = self.window, torch.arange(b, device=self.seq_lens.device)
-        batch = ForwardBatch(ForwardMode.TARGET_VERIFY, [None] * b, self.input_ids[:b * W], self.positions[:b * W],
-                             self.out_cache_loc[:b * W], rows, self.seq_lens[:b], [0] * b, [W] * b, [0] * b, [],
-                             self.pad_last[:b] + W - 1)
-        batch.draft_inputs = (self.draft_token[:b], self.draft_hidden[:b])
-        return batch
+        return ForwardBatch(ForwardMode.TARGET_VERIFY, [None] * b, positions=self.positions[:b * W],
+                            out_cache_loc=self.out_cache_loc[:b * W], req_pool_indices=rows, seq_lens=self.seq_lens[:b],
+                            prefix_lens=[0] * b, extend_lens=[W] * b, rows=[0] * b, pages=[],
+                            last_index=self.pad_last[:b] + W - 1)
 
-    def passes(self, runner: ModelRunner, b: int) -> tuple[Callable[[], None], ...]:
+    def passes(self, b: int, ctx: PagedAttention, draft: Callable, target: Callable,
+               extend_rows: Callable) -> tuple[Callable[[], None], ...]:
         """What bucket b's three graphs record: chapter 09's passes over the buffers."""
-        batch, W = self.batch(b), self.window
-        ctx = PagedAttention(runner.kv_pool, self.page_table[:b], batch)
+        batch, W = ctx.batch, self.window
 
         def draft_pass() -> None:
-            self.drafts[:b] = draft(runner, batch, ctx, W - 1)
+            self.drafts[:b] = draft(batch, ctx, (self.draft_token[:b], self.draft_hidden[:b]))
 
         def target_pass() -> None:
-            self.hidden[:b * W] = runner.model(batch.input_ids, batch.positions, ctx)
+            self.hidden[:b * W] = target(batch, self.input_ids[:b * W], ctx)
 
         def extend_pass() -> None:
-            self.first[:b], self.next_hidden[:b] = extend_rows(runner, batch, self.next_ids[:b * W],
-                                                               self.hidden[:b * W], self.last[:b], self.page_table[:b])
+            self.first[:b], self.next_hidden[:b] = extend_rows(batch, self.next_ids[:b * W], self.hidden[:b * W],
+                                                               self.last[:b], self.page_table[:b])
         return draft_pass, target_pass, extend_pass
 
     def fits(self, batch: ForwardBatch) -> bool:
         """A verify step (at most max_running requests, the largest bucket)."""
         return batch.mode is ForwardMode.TARGET_VERIFY
 
-    def draft(self, batch: ForwardBatch, page_table: torch.Tensor) -> torch.Tensor:
+    def draft(self, batch: ForwardBatch, ctx: PagedAttention, draft_inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The step's layout into the buffers, padded to its bucket, and the draft passes -> drafts [B, k]."""
         B, W, b = len(batch.reqs), self.window, bucket_for(len(batch.reqs), self.buckets)
-        token, hidden = batch.draft_inputs
+        token, hidden = draft_inputs
         for static, value, size, pad in ((self.positions, batch.positions, b * W, 0),
                                          (self.out_cache_loc, batch.out_cache_loc, b * W, 0),
                                          (self.seq_lens, batch.seq_lens, b, W),
                                          (self.draft_token, token, b, 0), (self.draft_hidden, hidden, b, 0)):
             pad_into(static, value, size, pad)
-        self.load_page_table(page_table, b)
+        self.load_page_table(ctx.page_table, b)
         self.graphs[b][0].replay()
         return self.drafts[:B]
 
-    def target(self, batch: ForwardBatch) -> torch.Tensor:
-        """The window's tokens into the buffers and the target's pass -> hidden states [B*W, hidden]."""
-        b, T = bucket_for(len(batch.reqs), self.buckets), len(batch.input_ids)
-        pad_into(self.input_ids, batch.input_ids, b * self.window, 0)
+    def target(self, batch: ForwardBatch, input_ids: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
+        """The window's tokens into the buffers and the target's pass -> hidden states [B*W, hidden] (the
+        layout and the page table are in the buffers since the draft)."""
+        b, T = bucket_for(len(batch.reqs), self.buckets), len(input_ids)
+        pad_into(self.input_ids, input_ids, b * self.window, 0)
         self.graphs[b][1].replay()
         return self.hidden[:T]
 
-    def draft_extend(self, batch: ForwardBatch, next_ids: torch.Tensor, last: torch.Tensor,
-                     page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend_rows(self, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, last: torch.Tensor,
+                    page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The accepted tokens, each request's last accepted row and the page table the draft extend
-        read, into the buffers; the draft extend -> next first drafts [B] and their hidden states."""
+        read, into the buffers (the target's hidden states are there since its replay); the draft
+        extend -> next first drafts [B] and their hidden states."""
         B, b = len(batch.reqs), bucket_for(len(batch.reqs), self.buckets)
         pad_into(self.next_ids, next_ids, b * self.window, 0)
         pad_into(self.last, last, b, self.pad_last[B:b])

@@ -4,7 +4,7 @@
 A step is either EXTEND (prefill: each request appends several tokens, its prompt or the rest of it)
 or DECODE (each request appends exactly one token). The tokens of all requests are laid end to end:
 
-    input_ids     [T]   the tokens to run
+    input_ids     [T]   the tokens to run (chapter 02; from chapter 03 the step reads them from token_pool)
     positions     [T]   their positions in their own sequences
     out_cache_loc [T]   the KV slot each token's K and V are written to
     req_pool_indices [B]  each request's row in req_to_token
@@ -12,20 +12,20 @@ or DECODE (each request appends exactly one token). The tokens of all requests a
     prefix_lens / extend_lens (host lists)  tokens already cached / appended now, per request
 
 The host keeps its own copies of the sizes (prefix_lens, extend_lens, max_seq_len): reading a device
-tensor back to decide a shape would make the host wait for the device.
+tensor back to decide a shape would make the host wait for the device. A batch is built once and never
+changed (frozen): what the device works out later, as the step runs, comes back as a value of its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
 
 from minioverlap.cache.allocator import PageAllocator
 from minioverlap.cache.req_to_token import ReqToTokenPool
-# >>> ch08: never block on the schedule stream; events
-from minioverlap.device.streams import Event
+# >>> ch08: never block on the schedule stream
 from minioverlap.device.transfer import to_device
 # <<< ch08
 from minioverlap.engine.request import Req
@@ -39,11 +39,13 @@ class ForwardMode(Enum):
     # <<< ch09
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class ForwardBatch:
     mode: ForwardMode
     reqs: list[Req]
-    input_ids: torch.Tensor | None   # from chapter 03 read from token_pool as the step runs
+    # >>> ch03 removes ch02: the step reads its input tokens from token_pool as it runs (ModelRunner.read_inputs)
+    #| input_ids: torch.Tensor
+    # <<< ch03
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
@@ -56,13 +58,12 @@ class ForwardBatch:
     # >>> ch03: the inputs are read from token_pool
     token_rows: torch.Tensor | None = None   # [T] the token_pool row each token's input is read from
     # <<< ch03
-    # >>> ch08: a prefill writes its own prompt; the event the fence waits for
+    # >>> ch08: a prefill writes its own prompt
     prompt_tokens: torch.Tensor | None = None   # [T] EXTEND: the tokens the step writes into token_pool
-    read_done: Event | None = None   # recorded once the step has read the shared tables
     # <<< ch08
-    # >>> ch09: MTP: the drafter's inputs, each request's first draft [B] and MTP hidden state [B, hidden]
-    draft_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
-    # <<< ch09
+    # >>> ch10 removes ch09: the relay holds the drafter's inputs; the step reads them (SpecRunner.resolve)
+    #| draft_inputs: tuple[torch.Tensor, torch.Tensor] | None = None   # each request's first draft [B], MTP hidden [B, hidden]
+    # <<< ch10
     # >>> ch12: where only the device knows a window's start, how far it may reach
     reach: list[int] | None = None   # TARGET_VERIFY: each request's reserved end; its window lies below it
     # <<< ch12
@@ -126,25 +127,34 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
         return to_device(values, torch.int64, device)
         # <<< ch08
 
-    # >>> ch03 replaces ch02: the inputs are read from token_pool when the step runs (ModelRunner.forward)
-    #| input_ids = tensor([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
-    #|                     for t in (r.prompt_ids + r.output_ids)[start:start + n]])
-    input_ids = None
-    # <<< ch03
     rows = [r.row for r in reqs]
-    last_index = tensor([sum(extend_lens[:i + 1]) - 1 for i in range(len(reqs))])
-    batch = ForwardBatch(mode, reqs, input_ids, tensor(positions), tensor(loc), tensor(rows),
-                         tensor([r.seq_len for r in reqs]), prefix_lens, extend_lens, rows,
-                         [p for r in reqs for p in r.pages], last_index)
-    # >>> ch03: the inputs are read from token_pool
-    batch.token_rows = tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)])
-    # <<< ch03
-    # >>> ch08: a prefill writes its own prompt
-    if mode is ForwardMode.EXTEND:
-        batch.prompt_tokens = to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
-                                         for t in r.prompt_ids[start:start + n]], torch.int32, device)
-    # <<< ch08
-    return batch
+    return ForwardBatch(
+        mode, reqs,
+        # >>> ch03 removes ch02: the inputs are read from token_pool when the step runs (ModelRunner.read_inputs)
+        #| input_ids=tensor([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
+        #|                   for t in (r.prompt_ids + r.output_ids)[start:start + n]]),
+        # <<< ch03
+        positions=tensor(positions), out_cache_loc=tensor(loc), req_pool_indices=tensor(rows),
+        seq_lens=tensor([r.seq_len for r in reqs]), prefix_lens=prefix_lens, extend_lens=extend_lens, rows=rows,
+        pages=[p for r in reqs for p in r.pages], last_index=tensor([sum(extend_lens[:i + 1]) - 1 for i in range(len(reqs))]),
+        # >>> ch03: the inputs are read from token_pool
+        token_rows=tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)]),
+        # <<< ch03
+        # >>> ch08: a prefill writes its own prompt
+        prompt_tokens=prompt_tokens(mode, reqs, prefix_lens, extend_lens, device),
+        # <<< ch08
+    )
+# >>> ch08: a prefill writes its own prompt
+
+
+def prompt_tokens(mode: ForwardMode, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int],
+                  device: str | torch.device) -> torch.Tensor | None:
+    """A prefill's prompt tokens [T], which it writes into token_pool itself; None for a decode step."""
+    if mode is not ForwardMode.EXTEND:
+        return None
+    return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.prompt_ids[start:start + n]],
+                     torch.int32, device)
+# <<< ch08
 # >>> ch09: MTP: KV slots reserved for a window, and the verify step's batch
 
 
@@ -201,29 +211,29 @@ def build_verify_batch(reqs: list[Req], window: int, allocator: PageAllocator, t
     #| seq_lens = tensor([r.seq_len + window for r in reqs])
     positions = loc = seq_lens = None
     # <<< ch10
-    batch = ForwardBatch(ForwardMode.TARGET_VERIFY, reqs, None, positions, loc, tensor(rows), seq_lens, prefix_lens,
-                         extend_lens, rows, [p for r in reqs for p in r.pages],
-                         tensor([(i + 1) * window - 1 for i in range(len(reqs))]))
-    batch.token_rows = to_device([r for r in rows for _ in range(window)], torch.int64, device)
-    # >>> ch12: the window may start up to one window past the host's count: the step may touch all it reserved
-    batch.reach = [r.kv_len for r in reqs]
-    # <<< ch12
-    # >>> ch10 removes ch09: the relay gives them, on the device, when the step runs
-    #| batch.draft_inputs = (torch.stack([r.draft[0] for r in reqs]), torch.stack([r.draft[1] for r in reqs]))
-    # <<< ch10
-    return batch
+    return ForwardBatch(
+        ForwardMode.TARGET_VERIFY, reqs, positions=positions, out_cache_loc=loc, req_pool_indices=tensor(rows),
+        seq_lens=seq_lens, prefix_lens=prefix_lens, extend_lens=extend_lens, rows=rows,
+        pages=[p for r in reqs for p in r.pages], last_index=tensor([(i + 1) * window - 1 for i in range(len(reqs))]),
+        token_rows=tensor([r for r in rows for _ in range(window)]),
+        # >>> ch10 removes ch09: the relay gives them, on the device, when the step runs
+        #| draft_inputs=(torch.stack([r.draft[0] for r in reqs]), torch.stack([r.draft[1] for r in reqs])),
+        # <<< ch10
+        # >>> ch12: the window may start up to one window past the host's count: the step may touch all it reserved
+        reach=[r.kv_len for r in reqs],
+        # <<< ch12
+    )
 # <<< ch09
 # >>> ch10: a window laid out on the device, from slot numbers
 
 
-def resolve_window(batch: ForwardBatch, seq_lens: torch.Tensor, tables: ReqToTokenPool) -> None:
-    """A verify step's positions, KV slots and lengths, computed on the device from each request's
-    committed length seq_lens [B] (the relay's): positions L..L+k, their slots in req_to_token."""
+def resolve_window(batch: ForwardBatch, seq_lens: torch.Tensor, tables: ReqToTokenPool) -> ForwardBatch:
+    """A verify step's batch with its positions, KV slots and lengths, computed on the device from each
+    request's committed length seq_lens [B] (the relay's): positions L..L+k, their slots in req_to_token."""
     W = batch.extend_lens[0]
     # >>> exercise 10.2: a window from slot numbers
     positions = seq_lens[:, None] + torch.arange(W, device=seq_lens.device)      # [B, W]
-    batch.positions = positions.flatten()
-    batch.out_cache_loc = tables.kv_slots_at(batch, positions)
-    batch.seq_lens = seq_lens + W
+    return replace(batch, positions=positions.flatten(), out_cache_loc=tables.kv_slots_at(batch, positions),
+                   seq_lens=seq_lens + W)
     # <<< exercise 10.2
 # <<< ch10

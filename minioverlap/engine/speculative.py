@@ -1,5 +1,9 @@
 # >>> ch09 file: one speculative step with the MTP drafter
-"""One MTP step: draft, verify, accept, draft extend. All of it is queued on the device; the host learns
+"""SpecRunner: the model runner that speculates with the MTP drafter. It offers the plain runner's
+interface (the scheduler and the face cannot tell them apart) and owns what speculation adds: the MTP
+layer and its KV pool, from chapter 10 the relay, from chapter 13 the verify step's graphs.
+
+One MTP step: draft, verify, accept, draft extend. All of it is queued on the device; the host learns
 the outcome (each request's window of tokens and how many count) when it handles the step.
 
 A request with committed length L (the target's and the MTP layer's KV hold positions 0..L-1) has its
@@ -22,78 +26,194 @@ draft extend over the prompt (each row reads the next prompt token; the last row
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
+from minioverlap.cache.kv_pool import KVPool
+from minioverlap.device.streams import Event
 from minioverlap.engine.accept import accept
 from minioverlap.engine.attention import PagedAttention
-from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode, build_verify_batch, window_slack
+from minioverlap.engine.model_runner import ModelRunner
+from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import sample
-
-if TYPE_CHECKING:
-    from minioverlap.engine.model_runner import ModelRunner
-
-
-def speculate(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One speculative step -> each request's window of tokens [B, W] and accept_lens [B] (W = 1 for a prefill)."""
-    # >>> ch10: the host gave a verify step slot numbers only: the relay gives the rest, on the device
-    if batch.mode is ForwardMode.TARGET_VERIFY:
-        runner.resolve(batch)
-    # <<< ch10
-    ctx = runner.attention(batch)
-    if batch.mode is ForwardMode.EXTEND:
-        return prefill(runner, batch, ctx)
-    return verify(runner, batch, ctx)
+from minioverlap.engine.step import StepOutput
+from minioverlap.model.mtp import MTPLayer
+from minioverlap.model.qwen3 import Qwen3ForCausalLM
+# >>> ch10: the relay
+from minioverlap.engine.forward_batch import resolve_window
+from minioverlap.engine.relay import Relay
+# <<< ch10
+# >>> ch13: CUDA graphs
+from minioverlap.engine.cuda_graph import SpecGraphs
+# <<< ch13
 
 
-def prefill(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target over the prompts, the bonus token sampled, the draft extend over the prompts."""
-    hidden = runner.hidden_states(batch, ctx)
-    bonus = sample(runner.model.compute_logits(hidden[batch.last_index]), batch.reqs)
-    runner.tables.write_next_tokens(batch, bonus)
-    # >>> ch10: where each request's first window starts
-    runner.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens)
-    # <<< ch10
-    next_ids = batch.input_ids.roll(-1)                  # row p reads token p+1 ...
-    next_ids[batch.last_index] = bonus                   # ... and the last row the bonus token
-    draft_extend(runner, batch, next_ids, hidden, batch.last_index)
-    return bonus[:, None], torch.ones_like(bonus)
-
-
-def verify(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft k tokens, verify them with one target pass, accept, and draft-extend over the window."""
-    B, W = len(batch.reqs), batch.extend_lens[0]
-    # >>> ch13 replaces ch09: with graphs, the draft passes and the target's pass are one replay each
-    #| drafts = draft(runner, batch, ctx, W - 1)
-    #| runner.tables.write_drafts(batch, drafts)            # the window b, d1..dk in token_pool: the verify's input
-    #| hidden = runner.hidden_states(batch, ctx)
-    graphs = runner.graphs
-    drafts = graphs.draft(batch, ctx.page_table) if graphs else draft(runner, batch, ctx, W - 1)
-    runner.tables.write_drafts(batch, drafts)            # the window b, d1..dk in token_pool: the verify's input
-    hidden = runner.replay_target(batch) if graphs else runner.hidden_states(batch, ctx)
+class SpecRunner(ModelRunner):
+    """The model runner with an MTP drafter: every decode step is a verify step."""
+    # >>> ch13: no graphs unless init_graphs captures them
+    graphs: SpecGraphs | None = None
     # <<< ch13
-    logits = runner.model.compute_logits(hidden).view(B, W, -1)
-    tokens, accept_lens = accept(logits, drafts, batch.reqs)
-    runner.tables.write_window(batch, tokens)            # the accepted tokens, and the next bonus at L + accept_len
-    # >>> ch10: where each request's next window starts
-    runner.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens - W + accept_lens)
+
+    def __init__(self, model: Qwen3ForCausalLM, mtp: MTPLayer, mtp_steps: int, *, max_seq_len: int, **sizes) -> None:
+        """Draft mtp_steps tokens a step with the MTP layer. It gets its own KV pool, one layer at the same
+        KV slots as the target's: it shares req_to_token and the allocator (as SGLang's draft worker
+        shares the target's pools). A request's windows reach past its last token (window_slack), so the
+        request tables are that much wider."""
+        self.mtp, self.mtp_steps = mtp, mtp_steps
+        super().__init__(model, max_seq_len=max_seq_len + window_slack(mtp_steps), **sizes)
+        k = self.kv_pool.k[0]
+        self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device)
+        # >>> ch10: the relay, one row per request slot
+        self.relay = Relay(self.tables.req_to_token.shape[0], mtp.eh_proj.out_features, k.dtype, self.device,
+                           self.hazards)
+        # <<< ch10
+
+    def kv_layers(self) -> int:
+        """The target's layers and the drafter's one."""
+        return super().kv_layers() + 1
+
+    def batch(self, mode: ForwardMode, reqs: list[Req]) -> ForwardBatch:
+        """A prefill as the plain runner lays it out; a decode step verifies a window of k+1 positions per request."""
+        if mode is ForwardMode.DECODE:
+            return build_verify_batch(reqs, self.mtp_steps + 1, self.allocator, self.tables, self.device)
+        return super().batch(mode, reqs)
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch, step: int) -> StepOutput:
+        """The step: a prefill or a verify, each request's window of tokens and how many of them count,
+        started on their way to the host with the fence's event."""
+        verify = batch.mode is ForwardMode.TARGET_VERIFY
+        tokens, accept_lens, input_ids, read_done = self.verify(batch) if verify else self.prefill(batch)
+        return self.output(step, batch, input_ids, tokens, accept_lens, read_done)
+
+    def prefill(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
+        """The target over the prompts, the bonus token sampled, the draft extend over the prompts."""
+        ctx, input_ids = self.attention(batch), self.read_inputs(batch)
+        hidden = self.target(batch, input_ids, ctx)
+        self.record_kv_accesses(batch)
+        bonus = sample(self.model.compute_logits(hidden[batch.last_index]), batch.reqs)
+        self.tables.write_next_tokens(batch, bonus)
+        # >>> ch10: where each request's first window starts
+        self.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens)
+        # <<< ch10
+        next_ids = input_ids.roll(-1)                        # row p reads token p+1 ...
+        next_ids[batch.last_index] = bonus                   # ... and the last row the bonus token
+        read_done = self.draft_extend(batch, next_ids, hidden, batch.last_index, self)
+        return bonus[:, None], torch.ones_like(bonus), input_ids, read_done
+
+    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
+        """Draft k tokens, verify them with one target pass, accept, and draft-extend over the window."""
+        # >>> ch10 replaces ch09: the host gave slot numbers only: the relay gives the rest, on the device
+        #| draft_inputs = batch.draft_inputs
+        batch, draft_inputs = self.resolve(batch)
+        # <<< ch10
+        B, W, ctx = len(batch.reqs), batch.extend_lens[0], self.attention(batch)
+        # >>> ch13 replaces ch09: the three passes replay graphs where they were captured: decided once, here
+        #| passes = self                                     # the three passes, eager
+        passes = self.graphs_for(batch) or self
+        # <<< ch13
+        drafts = passes.draft(batch, ctx, draft_inputs)
+        self.tables.write_drafts(batch, drafts)              # the window b, d1..dk in token_pool: the verify's input
+        input_ids = self.read_inputs(batch)
+        hidden = passes.target(batch, input_ids, ctx)
+        self.record_kv_accesses(batch)
+        tokens, accept_lens = accept(self.model.compute_logits(hidden).view(B, W, -1), drafts, batch.reqs)
+        self.tables.write_window(batch, tokens)              # the accepted tokens, and the next bonus at L + accept_len
+        # >>> ch10: where each request's next window starts
+        self.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens - W + accept_lens)
+        # <<< ch10
+        last = torch.arange(B, device=tokens.device) * W + accept_lens - 1     # each request's last accepted row
+        return tokens, accept_lens, input_ids, self.draft_extend(batch, tokens.flatten(), hidden, last, passes)
+
+    def target(self, batch: ForwardBatch, input_ids: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
+        """The target over the batch's tokens -> hidden states [T, hidden]."""
+        return self.model(input_ids, batch.positions, ctx)
+
+    def draft(self, batch: ForwardBatch, ctx: PagedAttention,
+              draft_inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """d1 from the last draft extend, then k-1 MTP passes, each the drafter's argmax -> drafts [B, k]."""
+        token, hidden = draft_inputs
+        drafts = [token]
+        for i in range(1, self.mtp_steps):
+            row = draft_row(batch, i - 1)
+            hidden = self.mtp(token, hidden, row.positions, PagedAttention(self.draft_kv_pool, ctx.page_table, row))
+            token = self.mtp.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def draft_extend(self, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, last: torch.Tensor,
+                     # >>> ch13 replaces ch09: or the graphs of the passes
+                     #| passes: SpecRunner,
+                     passes: SpecRunner | SpecGraphs,
+                     # <<< ch13
+                     ) -> Event | None:
+        """The MTP layer over the step's rows (tokens p+1, the target's hidden states at p): its KV for
+        them, and from each request's `last` row the next first draft and its hidden state, kept for the
+        next step. Like SGLang's draft extend, a pass of its own: it prepares its own attention context,
+        reading the page table. Returns the event the fence waits for: the step's shared reads are done."""
+        # >>> ch12 fix read-done-after-draft-extend replaces ch09: the page-table read below is the step's last read of a table the scheduler writes
+        #| read_done = self.streams.record()                 # the target's reads are done
+        #| page_table = self.tables.page_table(batch, "the draft extend")
+        page_table = self.tables.page_table(batch, "the draft extend")
+        read_done = self.streams.record()
+        # <<< ch12
+        self.stash_drafts(batch, *passes.extend_rows(batch, next_ids, hidden, last, page_table))
+        return read_done
+
+    def extend_rows(self, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, last: torch.Tensor,
+                    page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over the rows -> from each request's `last` row its next first draft [B] and hidden state."""
+        out = self.mtp(next_ids, hidden, batch.positions, PagedAttention(self.draft_kv_pool, page_table, batch))[last]
+        return self.mtp.compute_logits(out).argmax(dim=-1), out
+
+    def stash_drafts(self, batch: ForwardBatch, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep each request's next first draft and hidden state, on the device, for its next step."""
+        # >>> ch10 replaces ch09: in the relay's rows of the step's slots
+        #| for i, req in enumerate(batch.reqs):
+        #|     req.draft = (first[i], hidden[i])
+        self.relay.stash(batch.req_pool_indices, batch.rows, first, hidden)
+        # <<< ch10
+    # >>> ch10: the relay
+
+    def resolve(self, batch: ForwardBatch) -> tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]]:
+        """Read the relay's rows of the step's slots: the batch with its window laid out from the committed
+        lengths, and the drafter's inputs."""
+        seq_lens, draft, hidden = self.relay.read(batch.req_pool_indices, batch.rows)
+        return resolve_window(batch, seq_lens, self.tables), (draft, hidden)
     # <<< ch10
-    last = torch.arange(B, device=tokens.device) * W + accept_lens - 1     # each request's last accepted row
-    draft_extend(runner, batch, tokens.flatten(), hidden, last)
-    return tokens, accept_lens
 
+    def commit(self, req: Req, tokens: list[int], out: StepOutput) -> None:
+        """A handled step's tokens for req: one more target pass, and a verify's accepted tokens are
+        committed: their KV is in the cache, and the next window starts after them."""
+        req.verify_steps += 1
+        if out.batch.mode is ForwardMode.TARGET_VERIFY:
+            req.seq_len += len(tokens)
 
-def draft(runner: ModelRunner, batch: ForwardBatch, ctx: PagedAttention, k: int) -> torch.Tensor:
-    """d1 from the last draft extend, then k-1 MTP passes, each the drafter's argmax -> drafts [B, k]."""
-    token, hidden = batch.draft_inputs
-    drafts = [token]
-    for i in range(1, k):
-        row = draft_row(batch, i - 1)
-        hidden = runner.mtp(token, hidden, row.positions, PagedAttention(runner.draft_kv_pool, ctx.page_table, row))
-        token = runner.mtp.compute_logits(hidden).argmax(dim=-1)
-        drafts.append(token)
-    return torch.stack(drafts, dim=1)
+    def pages_needed(self, req: Req) -> int:
+        """The plain runner's count, and the KV slots the verify windows may reach past the last token."""
+        return self.allocator.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1 + window_slack(self.mtp_steps))
+
+    def need(self, req: Req) -> str:
+        return f"{super().need(req)}, and the {window_slack(self.mtp_steps)} KV slots that verify windows may reach past the last one,"
+
+    def record_kv_accesses(self, batch: ForwardBatch) -> None:
+        """The target's K and V, and the drafter's, at the same slots."""
+        super().record_kv_accesses(batch)
+        if not self.hazards:
+            return
+        for req, p, end in zip(batch.reqs, batch.prefix_lens, batch.ends()):
+            slots = self.allocator.kv_slots(req.pages, 0, end)
+            self.hazards.access("draft_kv_pool", slots[p:], "write", f"the drafter stores request {req.uid}'s K and V")
+            self.hazards.access("draft_kv_pool", slots, "read", f"the drafter reads request {req.uid}'s K and V")
+    # >>> ch13: CUDA graphs
+
+    def init_graphs(self, max_running: int) -> None:
+        """Capture, once per batch-size bucket, the verify step's three passes (a CUDA device only)."""
+        self.graphs = SpecGraphs(self.draft, self.target, self.extend_rows, kv_pool=self.kv_pool,
+                                 table=self.tables.req_to_token, hidden=self.relay.hidden, window=self.mtp_steps + 1,
+                                 max_running=max_running)
+    # <<< ch13
 
 
 def draft_row(batch: ForwardBatch, j: int) -> ForwardBatch:
@@ -101,27 +221,3 @@ def draft_row(batch: ForwardBatch, j: int) -> ForwardBatch:
     B, W = len(batch.reqs), batch.extend_lens[0]
     return replace(batch, mode=ForwardMode.DECODE, positions=batch.positions.view(B, W)[:, j],
                    out_cache_loc=batch.out_cache_loc.view(B, W)[:, j], seq_lens=batch.seq_lens - W + j + 1)
-
-
-def draft_extend(runner: ModelRunner, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor,
-                 last: torch.Tensor) -> None:
-    """The MTP layer over the step's rows (tokens p+1, the target's hidden states at p): its KV for
-    them, and from each request's `last` row the next first draft and its hidden state. Like SGLang's
-    draft extend, a pass of its own: it prepares its own attention context, reading the page table."""
-    page_table = runner.tables.page_table(batch, "the draft extend")
-    # >>> ch12 fix read-done-after-draft-extend: with MTP this is the step's last read of a table the scheduler writes
-    batch.read_done = runner.streams.record()
-    # <<< ch12
-    # >>> ch13: with graphs, a verify's draft extend is one replay
-    if runner.graphed(batch):
-        runner.stash_drafts(batch, *runner.graphs.draft_extend(batch, next_ids, last, page_table))
-        return
-    # <<< ch13
-    runner.stash_drafts(batch, *extend_rows(runner, batch, next_ids, hidden, last, page_table))
-
-
-def extend_rows(runner: ModelRunner, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor,
-                last: torch.Tensor, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MTP layer over the rows -> from each request's `last` row its next first draft [B] and hidden state."""
-    out = runner.mtp(next_ids, hidden, batch.positions, PagedAttention(runner.draft_kv_pool, page_table, batch))[last]
-    return runner.mtp.compute_logits(out).argmax(dim=-1), out

@@ -17,28 +17,29 @@ from minioverlap.engine.forward_batch import ForwardBatch
 class StepOutput:
     """A launched step. It keeps its tensors alive until the step is handled.
 
+    Every step gives each request a window of W tokens, of which accept_lens count: a plain step a
+    window of one token, accepted (W = 1); chapter 09's speculative steps give k+1, of which 1..k+1 count.
+
     NOTE: on a GPU the step may still be running when the host moves on; if its batch's tensors were
     freed, the allocator could hand their memory to the next step while this one still reads it."""
     step: int
     batch: ForwardBatch
-    next_tokens: torch.Tensor            # [B] on the device
-    next_tokens_cpu: torch.Tensor        # [B] on the host, valid once copy_done has completed
+    input_ids: torch.Tensor              # [T] the tokens the step ran, on the device
+    next_tokens: torch.Tensor            # [B, W] each request's window of new tokens, on the device
+    next_tokens_cpu: torch.Tensor        # [B, W] on the host, valid once copy_done has completed
+    accept_lens: torch.Tensor            # [B] how many tokens of each window count
+    accept_lens_cpu: torch.Tensor        # [B] on the host, valid once copy_done has completed
     # >>> ch08 replaces ch04: an event the checker sees too
     #| copy_done: torch.cuda.Event | None   # None on CPU, where the copy is done when it returns
     copy_done: Event | None              # None on CPU with no checker: the copy is done when it returns
     # <<< ch08
+    # >>> ch08: the event the fence waits for: the step has read the tables the scheduler writes
+    read_done: Event | None = None
+    # <<< ch08
     # >>> ch06: GPU timestamps of the step (None on CPU)
     gpu_events: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)   # start, end
     # <<< ch06
-    # >>> ch09: with MTP, next_tokens is each request's window [B, k+1], of which accept_lens [B] count
-    accept_lens: torch.Tensor | None = None
-    accept_lens_cpu: torch.Tensor | None = None
-    # <<< ch09
 
     def token_lists(self) -> list[list[int]]:
-        """Each request's tokens of the step, on the host: one (from chapter 09, with MTP, its accepted window)."""
-        # >>> ch09: with MTP, each request's window, cut to its accept length
-        if self.accept_lens_cpu is not None:
-            return [row[:n] for row, n in zip(self.next_tokens_cpu.tolist(), self.accept_lens_cpu.tolist())]
-        # <<< ch09
-        return [[t] for t in self.next_tokens_cpu.tolist()]
+        """Each request's tokens of the step, on the host: its window, cut to its accept length."""
+        return [row[:n] for row, n in zip(self.next_tokens_cpu.tolist(), self.accept_lens_cpu.tolist())]

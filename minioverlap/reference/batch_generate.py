@@ -21,7 +21,7 @@ def generate_batch(runner: ModelRunner, reqs: list[Req]) -> None:
     running, mode = list(reqs), ForwardMode.EXTEND
     while running:
         batch = runner.batch(mode, running)
-        tokens = sample(runner.forward(batch), running).tolist()     # the host waits for the device here
+        tokens = sample(runner.logits(batch), running).tolist()     # the host waits for the device here
         for req, token in zip(running, tokens):
             req.output_ids.append(token)
             runner.write_next_token(req, token)      # the next step's input, into token_pool

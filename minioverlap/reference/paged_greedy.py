@@ -18,7 +18,7 @@ def paged_greedy_generate(runner: ModelRunner, prompt: list[int], max_tokens: in
     try:
         batch = runner.batch(ForwardMode.EXTEND, [req])
         while True:
-            req.output_ids.append(int(runner.forward(batch).argmax(dim=-1)))
+            req.output_ids.append(int(runner.logits(batch).argmax(dim=-1)))
             # >>> ch03: the next step reads its input from token_pool
             runner.write_next_token(req, req.output_ids[-1])
             # <<< ch03

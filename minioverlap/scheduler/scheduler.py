@@ -19,6 +19,7 @@ The scheduler never touches the device: the runner runs the steps and owns the t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # >>> ch08: the guards
@@ -26,9 +27,6 @@ from minioverlap.config import Guards
 # <<< ch08
 from minioverlap.device.trace import Trace
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
-# >>> ch09: how far the verify windows reach
-from minioverlap.engine.forward_batch import window_slack
-# <<< ch09
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
@@ -73,16 +71,9 @@ class Scheduler:
     # ---- the client's side: messages into the inbox
     def check_fits_pool(self, req: Req) -> None:
         """Refuse a request that could never fit the page pool, even alone."""
-        pages, pool = self.pages_needed(req), self.runner.usable_pages
-        # >>> ch09: with MTP the windows count, and the message says so
-        if pages > pool and self.runner.mtp_steps:
-            raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens, and the "
-                             f"{window_slack(self.runner.mtp_steps)} KV slots that verify windows may reach past the "
-                             f"last one, need {pages} pages; the pool has {pool}")
-        # <<< ch09
+        pages, pool = self.runner.pages_needed(req), self.runner.usable_pages
         if pages > pool:
-            raise ValueError(f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens need {pages} "
-                             f"pages; the pool has {pool}")
+            raise ValueError(f"{self.runner.need(req)} need {pages} pages; the pool has {pool}")
 
     def submit(self, reqs: list[Req]) -> None:
         """Queue a run's requests for its first receive."""
@@ -99,10 +90,29 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.inbox or self.waiting or self.running)
 
-    def start_run(self) -> None:
-        self.trace, self.step = Trace(), 0
-
     # ---- the loop
+    def run(self,
+            # >>> ch06: which loop
+            overlap: bool = False,
+            # <<< ch06
+            ) -> Iterator[Reply]:
+        """Iterate the loop until every request is done, yielding the replies as they are made. Each
+        iteration runs inside the schedule stream (06), never across a yield: the caller's code between
+        replies runs on its own stream."""
+        self.trace, self.step = Trace(), 0
+        # >>> ch06 replaces ch04: both loops, side by side
+        #| while self.busy:
+        #|     yield from self.normal_loop()
+        last = None                              # the overlap loop's step in flight
+        while self.busy or last is not None:
+            with self.runner.schedule_stream():
+                if overlap:
+                    last, replies = self.overlap_loop(last)
+                else:
+                    replies = self.normal_loop()
+            yield from replies
+        # <<< ch06
+
     def normal_loop(self) -> list[Reply]:
         """One iteration: receive, schedule, launch, wait, process."""
         replies = self.receive()
@@ -208,16 +218,15 @@ class Scheduler:
         return replies
 
     def handle_tokens(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
-        """A request's tokens of one step: one, until chapter 09's speculative steps give several."""
+        """A request's tokens of one step: a window of one, until chapter 09's speculative steps give several."""
         # >>> ch07: its step failed for it alone: it ends here, with its error
         if req.error is not None and not req.finished:
             return self.fail(req)
         # <<< ch07
-        # >>> ch09: with MTP, a window of accepted tokens
-        if out.accept_lens_cpu is not None and not req.finished:
-            return self.handle_window(req, tokens, out)
+        # >>> ch09 replaces ch04: a window of tokens, handled one by one
+        #| return self.handle(req, tokens[0])
+        return self.handle_window(req, tokens, out)
         # <<< ch09
-        return self.handle(req, tokens[0])
 
     def handle(self, req: Req, token: int) -> Reply | None:
         """One request's token: append it, apply the stop rules (a request they end is freed), and
@@ -244,14 +253,16 @@ class Scheduler:
     # >>> ch09: with MTP, a window of accepted tokens
 
     def handle_window(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
-        """A request's tokens of one step. With MTP the step's target pass counts as one verify step, its
-        accepted tokens are committed (their KV is in the cache) and handled one by one: those after the
-        one that finishes the request change nothing. One reply carries them all."""
+        """A request's window of tokens: committed (the runner counts them and the target pass that made
+        them), then handled one by one: those after the one that finishes the request change nothing.
+        One reply carries them all. A window handled after its request finished (the overlap loop
+        launched it once more, chapter 07) commits nothing and replies nothing."""
         # >>> exercise 12.1: finishing inside a window
-        req.verify_steps += 1
-        if out.batch.mode is ForwardMode.TARGET_VERIFY:
-            req.seq_len += len(tokens)
+        if not req.finished:
+            self.runner.commit(req, tokens, out)
         replies = [r for r in (self.handle(req, t) for t in tokens) if r is not None]
+        if not replies:
+            return None
         return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason)
         # <<< exercise 12.1
     # <<< ch09
@@ -271,16 +282,9 @@ class Scheduler:
         """Whether req can start now: a request slot is free, and the free pages not yet promised to
         running requests cover every page req may need."""
         # >>> exercise 04.1: admission
-        promised = sum(self.pages_needed(r) - len(r.pages) for r in self.running)
-        return self.runner.free_rows > 0 and self.runner.free_pages - promised >= self.pages_needed(req)
+        promised = sum(self.runner.pages_needed(r) - len(r.pages) for r in self.running)
+        return self.runner.free_rows > 0 and self.runner.free_pages - promised >= self.runner.pages_needed(req)
         # <<< exercise 04.1
-
-    def pages_needed(self, req: Req) -> int:
-        """Pages for everything the request may hold: its prompt and all but its last new token."""
-        # >>> ch09 replaces ch04: with MTP the verify windows reach past the last token
-        #| return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1)
-        return self.runner.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1 + window_slack(self.runner.mtp_steps))
-        # <<< ch09
 
     def find(self, uid: int) -> Req | None:
         return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
