@@ -95,7 +95,7 @@ def test_the_callers_code_runs_outside_the_engines_stream_between_replies(monkey
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_step_driven_by_hand_waits_for_the_callers_stream():
-    """Driven by hand, outside LLM._loop, the scheduler queues a step's inputs on the caller's stream,
+    """Driven by hand, outside Scheduler.run, the scheduler queues a step's inputs on the caller's stream,
     here held up by a ~50 ms kernel before every iteration: the forward stream waits for that stream,
     so the tokens equal generate's."""
     params = SamplingParams(max_tokens=5, ignore_eos=True)

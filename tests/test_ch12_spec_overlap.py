@@ -61,7 +61,8 @@ def test_overlap_with_mtp_gives_the_normal_loops_and_plain_greedy_tokens(k, page
 def test_a_finish_is_known_one_step_late_one_wasted_window():
     """max_tokens reached inside a window: in the overlap loop the request is in one more launched step
     than it has replies (the wasted window, built before the finish was known), that step replies
-    nothing, and it is the step right after the finishing one. The normal loop launches no such step."""
+    nothing and is not counted as a pass of its tokens, and it is the step right after the finishing one.
+    The normal loop launches no such step."""
     params = SamplingParams(max_tokens=13, ignore_eos=True)
     for overlap, wasted in ((False, 0), (True, 1)):
         llm = LLM(overlap=overlap, mtp_steps=K)
@@ -73,6 +74,8 @@ def test_a_finish_is_known_one_step_late_one_wasted_window():
         if wasted:
             assert launched[-1] == replied[-1] + 1, "the wasted window is the step after the finishing one"
         assert sum(len(r.token_ids) for r in replies) == 13 and replies[-1].finished
+        [out] = llm.generate(["def fibonacci(n):"], params)
+        assert out.verify_steps == len(replies), "a pass per step that replied: the wasted window counts none"
         llm.check_integrity()
 
 

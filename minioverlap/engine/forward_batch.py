@@ -18,7 +18,10 @@ changed (frozen): what the device works out later, as the step runs, comes back 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+# >>> ch10: the verify's window, laid out on the device, in a new batch
+from dataclasses import replace
+# <<< ch10
 from enum import Enum
 
 import torch

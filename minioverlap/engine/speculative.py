@@ -88,8 +88,12 @@ class SpecRunner(ModelRunner):
         return self.output(step, batch, input_ids, tokens, accept_lens, read_done)
 
     def prefill(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
-        """The target over the prompts, the bonus token sampled, the draft extend over the prompts."""
+        """The target over the prompts, the bonus token sampled, the draft extend over the prompts ->
+        each request's window of one (the bonus), its accept length, the step's inputs, the fence's event."""
         ctx, input_ids = self.attention(batch), self.read_inputs(batch)
+        # >>> ch12 fix read-done-after-draft-extend removes ch09: the draft extend reads the page table later, and records the event
+        #| read_done = self.streams.record()                 # as a plain step records it: once the inputs are read
+        # <<< ch12
         hidden = self.target(batch, input_ids, ctx)
         self.record_kv_accesses(batch)
         bonus = sample(self.model.compute_logits(hidden[batch.last_index]), batch.reqs)
@@ -99,23 +103,22 @@ class SpecRunner(ModelRunner):
         # <<< ch10
         next_ids = input_ids.roll(-1)                        # row p reads token p+1 ...
         next_ids[batch.last_index] = bonus                   # ... and the last row the bonus token
+        # >>> ch12 fix read-done-after-draft-extend replaces ch09: the draft extend's event
+        #| self.draft_extend(batch, next_ids, hidden, batch.last_index, self, read_done)
         read_done = self.draft_extend(batch, next_ids, hidden, batch.last_index, self)
+        # <<< ch12
         return bonus[:, None], torch.ones_like(bonus), input_ids, read_done
 
     def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
         """Draft k tokens, verify them with one target pass, accept, and draft-extend over the window."""
-        # >>> ch10 replaces ch09: the host gave slot numbers only: the relay gives the rest, on the device
-        #| draft_inputs = batch.draft_inputs
         batch, draft_inputs = self.resolve(batch)
-        # <<< ch10
-        B, W, ctx = len(batch.reqs), batch.extend_lens[0], self.attention(batch)
-        # >>> ch13 replaces ch09: the three passes replay graphs where they were captured: decided once, here
-        #| passes = self                                     # the three passes, eager
-        passes = self.graphs_for(batch) or self
-        # <<< ch13
+        B, W, ctx, passes = len(batch.reqs), batch.extend_lens[0], self.attention(batch), self.passes(batch)
         drafts = passes.draft(batch, ctx, draft_inputs)
         self.tables.write_drafts(batch, drafts)              # the window b, d1..dk in token_pool: the verify's input
         input_ids = self.read_inputs(batch)
+        # >>> ch12 fix read-done-after-draft-extend removes ch09: the draft extend reads the page table later, and records the event
+        #| read_done = self.streams.record()                 # as a plain step records it: once the inputs are read
+        # <<< ch12
         hidden = passes.target(batch, input_ids, ctx)
         self.record_kv_accesses(batch)
         tokens, accept_lens = accept(self.model.compute_logits(hidden).view(B, W, -1), drafts, batch.reqs)
@@ -124,7 +127,19 @@ class SpecRunner(ModelRunner):
         self.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens - W + accept_lens)
         # <<< ch10
         last = torch.arange(B, device=tokens.device) * W + accept_lens - 1     # each request's last accepted row
-        return tokens, accept_lens, input_ids, self.draft_extend(batch, tokens.flatten(), hidden, last, passes)
+        # >>> ch12 fix read-done-after-draft-extend replaces ch09: the draft extend's event
+        #| self.draft_extend(batch, tokens.flatten(), hidden, last, passes, read_done)
+        read_done = self.draft_extend(batch, tokens.flatten(), hidden, last, passes)
+        # <<< ch12
+        return tokens, accept_lens, input_ids, read_done
+
+    def passes(self, batch: ForwardBatch) -> SpecRunner | SpecGraphs:
+        """What runs a verify's three passes (draft, target, draft extend): the runner itself, eagerly; from
+        chapter 13 the captured graphs where they fit the step, decided once (graphs_for)."""
+        # >>> ch13 replaces ch09: graph replays where graphs were captured for the step
+        #| return self
+        return self.graphs_for(batch) or self
+        # <<< ch13
 
     def target(self, batch: ForwardBatch, input_ids: torch.Tensor, ctx: PagedAttention) -> torch.Tensor:
         """The target over the batch's tokens -> hidden states [T, hidden]."""
@@ -147,15 +162,17 @@ class SpecRunner(ModelRunner):
                      #| passes: SpecRunner,
                      passes: SpecRunner | SpecGraphs,
                      # <<< ch13
+                     # >>> ch12 fix read-done-after-draft-extend removes ch09: it records the event itself
+                     #| read_done: Event | None,
+                     # <<< ch12
                      ) -> Event | None:
         """The MTP layer over the step's rows (tokens p+1, the target's hidden states at p): its KV for
         them, and from each request's `last` row the next first draft and its hidden state, kept for the
         next step. Like SGLang's draft extend, a pass of its own: it prepares its own attention context,
-        reading the page table. Returns the event the fence waits for: the step's shared reads are done."""
-        # >>> ch12 fix read-done-after-draft-extend replaces ch09: the page-table read below is the step's last read of a table the scheduler writes
-        #| read_done = self.streams.record()                 # the target's reads are done
-        #| page_table = self.tables.page_table(batch, "the draft extend")
+        reading the page table. Returns the event the fence waits for (from chapter 12 its own, recorded
+        after that read: the step's last read of a table the scheduler writes)."""
         page_table = self.tables.page_table(batch, "the draft extend")
+        # >>> ch12 fix read-done-after-draft-extend: the page-table read above is the step's last read of a shared table
         read_done = self.streams.record()
         # <<< ch12
         self.stash_drafts(batch, *passes.extend_rows(batch, next_ids, hidden, last, page_table))
@@ -174,14 +191,15 @@ class SpecRunner(ModelRunner):
         #|     req.draft = (first[i], hidden[i])
         self.relay.stash(batch.req_pool_indices, batch.rows, first, hidden)
         # <<< ch10
-    # >>> ch10: the relay
 
     def resolve(self, batch: ForwardBatch) -> tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]]:
-        """Read the relay's rows of the step's slots: the batch with its window laid out from the committed
-        lengths, and the drafter's inputs."""
+        """A verify's batch with its window laid out, and the drafter's inputs (in chapter 09 as the host
+        laid them out; from chapter 10 from the relay's rows of the step's slots, on the device)."""
+        # >>> ch10 replaces ch09: the host gave slot numbers only: the relay's rows of the step's slots give the rest, on the device
+        #| return batch, batch.draft_inputs
         seq_lens, draft, hidden = self.relay.read(batch.req_pool_indices, batch.rows)
         return resolve_window(batch, seq_lens, self.tables), (draft, hidden)
-    # <<< ch10
+        # <<< ch10
 
     def commit(self, req: Req, tokens: list[int], out: StepOutput) -> None:
         """A handled step's tokens for req: one more target pass, and a verify's accepted tokens are
