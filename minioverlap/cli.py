@@ -78,12 +78,19 @@ def mtp_options(args: argparse.Namespace) -> dict:
     if not args.mtp:
         return {}
     # >>> ch12 replaces ch09: in either loop
-    #| if args.loop == "overlap":
-    #|     raise ValueError(f"--mtp {args.mtp} runs in the normal loop for now: drop --loop overlap "
-    #|                      "(speculative decoding in the overlap loop is chapter 12's)")
-    #| return {"mtp_steps": args.mtp, "overlap": False}
+    #| return {"mtp_steps": args.mtp, **normal_loop_only(args)}
     return {"mtp_steps": args.mtp}
     # <<< ch12
+# >>> ch12 removes ch09: speculative decoding in the overlap loop is chapter 12's
+#|
+#|
+#| def normal_loop_only(args: argparse.Namespace) -> dict:
+#|     """The normal loop, or a clear error if the overlap loop was asked for."""
+#|     if args.loop == "overlap":
+#|         raise ValueError(f"--mtp {args.mtp} runs in the normal loop for now: drop --loop overlap "
+#|                          "(speculative decoding in the overlap loop is chapter 12's)")
+#|     return {"overlap": False}
+# <<< ch12
 
 
 def accept_length(llm: LLM, tokens: list[int]) -> str:

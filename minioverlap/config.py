@@ -46,6 +46,8 @@ class EngineArgs:
     # <<< ch13
 
     def __post_init__(self) -> None:
+        """Check every option as it is given (a bool is a bool; each chapter's options by their own
+        rules), so that a bad one is a ValueError naming it, before anything is loaded."""
         for f in fields(self):
             if f.type == "bool":
                 check_bool(f.name, getattr(self, f.name))

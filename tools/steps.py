@@ -289,7 +289,6 @@ def _close(body: str, shown: str, where: str, stack: list[Block], errors: list[s
 
 HISTORY_SHARE = 0.40  # the most of a function's lines that may be markers or kept old code
 HISTORY_MIN_LINES = 10  # functions shorter than this are not held to the budget
-HISTORY_FREE = 6  # a function may always hold this much: two short blocks, or one line replaced
 MAX_DEPTH = 2  # blocks inside blocks, a file marker not counted
 Def = ast.FunctionDef | ast.AsyncFunctionDef
 
@@ -392,8 +391,7 @@ def kept_nothing_errors(source: Source) -> list[str]:
 
 
 def budget_errors(text: str, lexed: Lexed, path: str) -> list[str]:
-    """In a function of HISTORY_MIN_LINES lines or more, at most HISTORY_SHARE of them are history (or
-    HISTORY_FREE lines, if that is more: a short function with two chapters' small changes reads well)."""
+    """In a function of HISTORY_MIN_LINES lines or more, at most HISTORY_SHARE of them are history."""
     lines, errors = text.splitlines(), []
     try:
         tree = ast.parse(text)
@@ -404,10 +402,9 @@ def budget_errors(text: str, lexed: Lexed, path: str) -> list[str]:
         first, last = function_span(node, lines)
         kept = sum(is_history(lines[n - 1]) for n in range(first, last + 1) if n not in lexed.strings)
         size = last - first + 1
-        if size >= HISTORY_MIN_LINES and kept > max(HISTORY_SHARE * size, HISTORY_FREE):
+        if size >= HISTORY_MIN_LINES and kept > HISTORY_SHARE * size:
             errors.append(f"{path}:{node.lineno}: function {name} spans {size} lines, {kept} of them markers "
-                          f"or kept old code ({kept / size:.0%}, at most {HISTORY_SHARE:.0%} or {HISTORY_FREE} "
-                          f"lines): restructure "
+                          f"or kept old code ({kept / size:.0%}, at most {HISTORY_SHARE:.0%}): restructure "
                           f"(a helper, a parameter on its own line) rather than stack history")
     return errors
 

@@ -16,7 +16,9 @@ from minioverlap.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-    """logits [B, vocab] (fp32) -> next tokens [B] (int64, on the logits' device)."""
+    """logits [B, vocab] (fp32) -> next tokens [B] (int64, on the logits' device). A greedy request
+    (temperature 0) takes the argmax; any other draws from its own adjusted distribution (sample_one),
+    and from chapter 07 a draw that fails fails its own request alone."""
     tokens = logits.argmax(dim=-1)
     # >>> ch07 replaces ch03: a request whose sampling fails fails alone (its token, the argmax, is never used)
     #| for i, req in enumerate(reqs):

@@ -218,7 +218,10 @@ class Scheduler:
         return replies
 
     def handle_tokens(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
-        """A request's tokens of one step: a window of one, until chapter 09's speculative steps give several."""
+        """A request's tokens of one step, on the host (StepOutput.token_lists: its window, cut to its
+        accept length): a window of one, until chapter 09's speculative steps give several. From
+        chapter 07 a request whose step failed for it alone ends here, with its error; from chapter 09
+        every window goes to handle_window, a plain step's window of one too."""
         # >>> ch07: its step failed for it alone: it ends here, with its error
         if req.error is not None and not req.finished:
             return self.fail(req)
