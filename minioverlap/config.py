@@ -9,9 +9,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-# >>> ch09: MTP: an integer check
 from minioverlap.sampling_params import _integer
-# <<< ch09
 
 
 @dataclass(frozen=True)
@@ -46,21 +44,10 @@ class EngineArgs:
     # <<< ch13
 
     def __post_init__(self) -> None:
-        """Check every option as it is given (a bool is a bool; each chapter's options by their own
-        rules), so that a bad one is a ValueError naming it, before anything is loaded."""
-        for f in fields(self):
-            if f.type == "bool":
-                check_bool(f.name, getattr(self, f.name))
-        # >>> ch08: the fence is a guard
-        if self.guards is not None and not self.fence:
-            raise ValueError("fence=False and guards=Guards(...) both given: pass Guards(fence=False) alone")
-        # <<< ch08
-        # >>> ch09: MTP
-        check_mtp_steps(self)
-        # <<< ch09
-        # >>> ch13: CUDA graphs
-        check_cuda_graphs(self)
-        # <<< ch13
+        """Check every option as it is given, each chapter's by its own rules (CHECKS, at the end of
+        this file), so that a bad one is a ValueError naming it, before anything is loaded."""
+        for check in CHECKS:
+            check(self)
     # >>> ch08: the guards in use
 
     def resolved_guards(self) -> Guards:
@@ -81,12 +68,39 @@ class Guards:
     def __post_init__(self) -> None:
         for f in fields(self):
             check_bool(f.name, getattr(self, f.name))
+
+
+def check_guards(args: EngineArgs) -> None:
+    """The fence is a guard: fence=False and an explicit Guards(...) would say it twice."""
+    if args.guards is not None and not args.fence:
+        raise ValueError("fence=False and guards=Guards(...) both given: pass Guards(fence=False) alone")
 # <<< ch08
+
+
+def check_bools(args: EngineArgs) -> None:
+    """A bool option is True or False, not 1 or "yes"."""
+    for f in fields(args):
+        if f.type == "bool":
+            check_bool(f.name, getattr(args, f.name))
 
 
 def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+# >>> ch02: the paged cache
+
+
+def check_sizes(args: EngineArgs) -> None:
+    """page_size >= 1, num_pages None or >= 2 (page 0 is never handed out), max_running >= 1; kept as ints."""
+    sizes = {"page_size": _integer("page_size", args.page_size, "an integer >= 1", lambda n: n >= 1)}
+    if args.num_pages is not None:
+        sizes["num_pages"] = _integer("num_pages", args.num_pages, "an integer >= 2", lambda n: n >= 2)
+    # >>> ch03: batching
+    sizes["max_running"] = _integer("max_running", args.max_running, "an integer >= 1", lambda n: n >= 1)
+    # <<< ch03
+    for name, value in sizes.items():
+        object.__setattr__(args, name, value)    # the one way to set a field of a frozen dataclass
+# <<< ch02
 # >>> ch09: MTP
 
 MAX_MTP_STEPS = 8                      # drafts per step; beyond a few, almost none are accepted
@@ -116,3 +130,20 @@ def check_cuda_graphs(args: EngineArgs) -> None:
 def use_cuda_graphs(args: EngineArgs) -> bool:
     return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda")
 # <<< ch13
+
+
+CHECKS = [
+    check_bools,
+    # >>> ch02: the paged cache
+    check_sizes,
+    # <<< ch02
+    # >>> ch08: the fence is a guard
+    check_guards,
+    # <<< ch08
+    # >>> ch09: MTP
+    check_mtp_steps,
+    # <<< ch09
+    # >>> ch13: CUDA graphs
+    check_cuda_graphs,
+    # <<< ch13
+]

@@ -7,9 +7,7 @@ contiguous cache (01), on the paged cache (02), one batch for all prompts (03), 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +29,8 @@ from minioverlap.engine.model_runner import ModelRunner
 # <<< ch02
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import DTYPES, checkpoint_dtype, load_model, load_tokenizer, resolve_model_dir
-from minioverlap.sampling_params import SamplingParams
+from minioverlap.processor import Params, Processor, Prompt, RequestOutput
+from minioverlap.sampling_params import SamplingParams, integral
 # >>> ch04: the scheduler
 from minioverlap.device.trace import Trace
 from minioverlap.scheduler.scheduler import Reply, Scheduler
@@ -43,23 +42,6 @@ from minioverlap.device.hazard import HazardChecker
 from minioverlap.engine.speculative import SpecRunner
 from minioverlap.model.mtp import load_mtp
 # <<< ch09
-
-Prompt = str | list[int]
-Params = SamplingParams | list[SamplingParams] | None
-
-
-@dataclass
-class RequestOutput:
-    uid: int                           # the request's id, in the order the prompts were given
-    prompt_token_ids: list[int]
-    token_ids: list[int]               # the generated tokens (EOS included if hit)
-    text: str                          # the generated tokens decoded (special tokens skipped)
-    finish_reason: str | None          # "stop" (EOS or a stop token), "length" (max_tokens or the context),
-                                       # "abort", or (chapter 07) "error": the request failed alone
-    # >>> ch09: MTP
-    verify_steps: int = 0              # target passes that produced the tokens (0 without MTP)
-    # <<< ch09
-
 
 class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
@@ -75,6 +57,7 @@ class LLM:
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_seq_len = _check_max_seq_len(self.args.max_seq_len, self.config.max_position_embeddings)
+        self.processor = Processor(self.tokenizer, self.model_dir, self.config, self.max_seq_len)
         self.next_uid = 0
         # >>> ch04: one run at a time
         self.serving = False                     # a stream is being consumed
@@ -97,11 +80,10 @@ class LLM:
         chapter 09, with mtp_steps, the runner that speculates with the MTP drafter."""
         # >>> ch03 replaces ch02: many request slots
         #| self.max_running = 1
-        self.max_running = _check_int("max_running", self.args.max_running, 1)
+        self.max_running = self.args.max_running
         # <<< ch03
-        page_size = _check_int("page_size", self.args.page_size, 1)
-        num_pages = None if self.args.num_pages is None else _check_int("num_pages", self.args.num_pages, 2)
-        sizes = dict(num_pages=num_pages, page_size=page_size, max_running=self.max_running, max_seq_len=self.max_seq_len,
+        sizes = dict(num_pages=self.args.num_pages, page_size=self.args.page_size, max_running=self.max_running,
+                     max_seq_len=self.max_seq_len,
                      # >>> ch08: the guards, and the checker for everything that records accesses
                      guards=self.args.resolved_guards(), hazards=HazardChecker() if self.args.hazard_check else None,
                      # <<< ch08
@@ -114,55 +96,17 @@ class LLM:
     # <<< ch02
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Text or token ids -> token ids, checked against the vocabulary and the context."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt is text but {self.model_dir} has no tokenizer.json; pass token ids")
-            ids = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, (list, tuple)):
-            ids = [_token_id("prompt", t) for t in prompt]
-        else:
-            raise ValueError(f"prompt must be text or a list of token ids, got {prompt!r}")
-        if not ids:
-            raise ValueError("prompt is empty: it must hold at least 1 token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.config.vocab_size})")
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_seq_len}, "
-                             f"so a prompt may have at most {self.max_seq_len - 1}")
-        return ids
+        return self.processor.encode(prompt)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return self.processor.decode(token_ids)
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
-        """A checked request with its stop rules: EOS unless ignore_eos, max_tokens, the context limit."""
-        ids = self.encode(prompt)
-        stop = set() if params.ignore_eos else set(self.config.eos_token_ids)
-        # >>> ch04: stop tokens
-        bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
-        if bad:
-            raise ValueError(f"stop_token_ids holds {bad[0]!r}, outside the vocabulary [0, {self.config.vocab_size})")
-        stop |= set(params.stop_token_ids)
-        # <<< ch04
-        return Req(-1, ids, params, min(params.max_tokens, self.max_seq_len - len(ids)), frozenset(stop))
+        return self.processor.make_request(prompt, params)
 
     def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
-        """Check every prompt first; only if all pass do they get their uids. `params` is one
-        SamplingParams for all prompts or a list of one per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and not isinstance(prompts[0], (str, list, tuple))):
-            prompts = [prompts]                  # one prompt: text, or token ids
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if not (isinstance(params, list) and all(isinstance(s, SamplingParams) for s in params)):
-            raise ValueError(f"params must be a SamplingParams or a list of one per prompt, got {params!r}")
-        if len(params) != len(prompts):
-            raise ValueError(f"params is a list of {len(params)} SamplingParams for {len(prompts)} prompts")
-        reqs = [self.make_request(p, s) for p, s in zip(prompts, params)]
+        """Check every prompt first (Processor.make_requests); only if all pass do they get their uids."""
+        reqs = self.processor.make_requests(prompts, params)
         # >>> ch04: a request that could never fit the page pool is refused now, not left waiting forever
         for req in reqs:
             self.scheduler.check_fits_pool(req)
@@ -179,15 +123,7 @@ class LLM:
         for _ in self._serve(reqs):
             pass
         # <<< ch04
-        return [self.output(r) for r in reqs]
-
-    def output(self, req: Req) -> RequestOutput:
-        """What the caller gets for a request."""
-        # >>> ch09 replaces ch01: with MTP, the verify steps too
-        #| return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason)
-        return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason,
-                             req.verify_steps)
-        # <<< ch09
+        return [self.processor.output(r) for r in reqs]
     # >>> ch04: the scheduler
 
     def stream(self, prompts: Prompt | list[Prompt], params: Params = None) -> Iterator[Reply]:
@@ -210,7 +146,7 @@ class LLM:
     def abort(self, uid: int) -> None:
         """Stop a request: it frees its pages and slot, and its last reply has finish_reason 'abort'.
         A request that has finished is left as it is; a uid no request has been given is refused."""
-        number = _integral(uid)
+        number = integral(uid)
         if number is None:
             raise ValueError(f"uid must be an integer, a request's id, got {uid!r}")
         if not 0 <= number < self.next_uid:
@@ -258,26 +194,6 @@ class LLM:
         """Nothing to stop: the engine runs in the caller's thread, step by step."""
 
 
-def _check_int(name: str, value: int, minimum: int) -> int:
-    number = _integral(value)
-    if number is None or number < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return number
-
-
-def _integral(value: object) -> int | None:
-    """value as an int if it is an integer (an int or a NumPy integer; not a bool, a float or text), else None."""
-    try:
-        return None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        return None
-
-
-def _token_id(field: str, value: object) -> int:
-    number = _integral(value)
-    if number is None:
-        raise ValueError(f"{field} token id {value!r} is not an integer")
-    return number
 def _engine_args(model: str, options: dict) -> EngineArgs:
     unknown = sorted(set(options) - set(EngineArgs.__dataclass_fields__))
     if unknown:
@@ -289,7 +205,7 @@ def _engine_args(model: str, options: dict) -> EngineArgs:
 def _check_max_seq_len(max_seq_len: int | None, limit: int) -> int:
     if max_seq_len is None:
         return limit
-    value = _integral(max_seq_len)
+    value = integral(max_seq_len)
     if value is None or not 2 <= value <= limit:
         raise ValueError(f"max_seq_len must be an integer in [2, {limit}] (the model's context), got {max_seq_len!r}")
     return value

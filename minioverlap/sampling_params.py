@@ -65,12 +65,17 @@ class SamplingParams:
     # <<< ch03
 
 
-def _integer(name: str, value: object, rule: str, ok: Callable[[int], bool] = lambda n: True) -> int:
-    """value as an int if it is an integer (an int or a NumPy integer, not a bool) and `ok` holds."""
+def integral(value: object) -> int | None:
+    """value as an int if it is an integer (an int or a NumPy integer; not a bool, a float or text), else None."""
     try:
-        number = None if isinstance(value, bool) else operator.index(value)
+        return None if isinstance(value, bool) else operator.index(value)
     except TypeError:
-        number = None
+        return None
+
+
+def _integer(name: str, value: object, rule: str, ok: Callable[[int], bool] = lambda n: True) -> int:
+    """value as an int if it is an integer and `ok` holds."""
+    number = integral(value)
     if number is None or not ok(number):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
     return number

@@ -14,7 +14,7 @@ methods also tells the hazard checker what it touched, so the record is the oper
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -23,8 +23,27 @@ from minioverlap.device.hazard import HazardChecker
 from minioverlap.device.transfer import to_device
 # <<< ch08
 
-if TYPE_CHECKING:
-    from minioverlap.engine.forward_batch import ForwardBatch
+
+class Batch(Protocol):
+    """What the tables read of a step's batch (the engine's ForwardBatch has it all): the tables sit
+    below the engine and import nothing of it."""
+    req_pool_indices: torch.Tensor     # [B] each request's row
+    positions: torch.Tensor            # [T] the positions the step runs
+    seq_lens: torch.Tensor             # [B] each request's length after the step
+    max_seq_len: int                   # the longest row the step reads
+    # >>> ch03: the inputs are read from token_pool
+    token_rows: torch.Tensor           # [T] the row each position's token is read from
+    # <<< ch03
+    # >>> ch08: a prefill writes its own prompt; the cells each access touches, for the checker
+    prompt_tokens: torch.Tensor | None
+
+    def page_cells(self) -> list[tuple[int, int]]: ...
+    def new_cells(self) -> list[tuple[int, int]]: ...
+    def next_cells(self) -> list[tuple[int, int]]: ...
+    # <<< ch08
+    # >>> ch09: MTP: a verify step's window
+    def window_cells(self, start: int, end: int) -> list[tuple[int, int]]: ...
+    # <<< ch09
 
 
 class ReqToTokenPool:
@@ -95,7 +114,7 @@ class ReqToTokenPool:
     # <<< ch08
 
     # ---- a step's accesses: device index tensors, on the step's stream
-    def page_table(self, batch: ForwardBatch,
+    def page_table(self, batch: Batch,
                    # >>> ch08: which pass reads it, for the checker's reports
                    reader: str = "attention",
                    # <<< ch08
@@ -108,7 +127,7 @@ class ReqToTokenPool:
         return self.req_to_token[batch.req_pool_indices, :batch.max_seq_len]
     # >>> ch03: the inputs are read from token_pool
 
-    def read_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+    def read_tokens(self, batch: Batch) -> torch.Tensor:
         """The step's input tokens [T], one per position it runs."""
         # >>> ch08: the checker
         self.record("token_pool", batch.new_cells(), "read", "the step reads its input tokens")
@@ -117,7 +136,7 @@ class ReqToTokenPool:
     # <<< ch03
     # >>> ch05: the sampler's token stays on the device
 
-    def write_next_tokens(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
+    def write_next_tokens(self, batch: Batch, tokens: torch.Tensor) -> None:
         """Each request's sampled token, at its position seq_len: the next step's input."""
         # >>> exercise 05.1: keep the token on the device
         self.token_pool[batch.req_pool_indices, batch.seq_lens] = tokens.to(torch.int32)
@@ -128,29 +147,29 @@ class ReqToTokenPool:
     # <<< ch05
     # >>> ch09: MTP: a verify step's window in token_pool
 
-    def write_drafts(self, batch: ForwardBatch, drafts: torch.Tensor) -> None:
+    def write_drafts(self, batch: Batch, drafts: torch.Tensor) -> None:
         """The k drafts [B, k] after each request's bonus token: positions L+1..L+k, the verify's input."""
         B, W = drafts.shape[0], drafts.shape[1] + 1
         self.token_pool[batch.req_pool_indices[:, None], batch.positions.view(B, W)[:, 1:]] = drafts.to(torch.int32)
-        self.record("token_pool", window_cells(batch, 1, W), "write", "the drafter writes the drafts")
+        self.record("token_pool", batch.window_cells(1, W), "write", "the drafter writes the drafts")
 
-    def write_window(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
+    def write_window(self, batch: Batch, tokens: torch.Tensor) -> None:
         """A verify step's tokens [B, W] at positions L+1..L+W: the accepted drafts, then the next bonus
         token at L + accept_len (what lies beyond it is never read: the next window overwrites it)."""
         B, W = tokens.shape
         self.token_pool[batch.req_pool_indices[:, None], batch.positions.view(B, W) + 1] = tokens.to(torch.int32)
-        self.record("token_pool", window_cells(batch, 1, W + 1), "write", "the verify writes its accepted tokens")
+        self.record("token_pool", batch.window_cells(1, W + 1), "write", "the verify writes its accepted tokens")
     # <<< ch09
     # >>> ch10: a window's KV slots, read on the device
 
-    def kv_slots_at(self, batch: ForwardBatch, positions: torch.Tensor) -> torch.Tensor:
+    def kv_slots_at(self, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
         """req_to_token at each request's positions [B, W] -> KV slots [B*W]."""
-        self.record("req_to_token", window_cells(batch, 0, positions.shape[1]), "read", "the step looks up its window's KV slots")
+        self.record("req_to_token", batch.window_cells(0, positions.shape[1]), "read", "the step looks up its window's KV slots")
         return self.req_to_token[batch.req_pool_indices[:, None], positions].flatten().long()
     # <<< ch10
     # >>> ch08: a prefill writes its own prompt; every access is recorded
 
-    def write_prompts(self, batch: ForwardBatch) -> None:
+    def write_prompts(self, batch: Batch) -> None:
         """A prefill's prompt tokens, at the positions it runs."""
         self.token_pool[batch.token_rows, batch.positions] = batch.prompt_tokens
         self.record("token_pool", batch.new_cells(), "write", "the prefill writes its prompt")
@@ -160,14 +179,3 @@ class ReqToTokenPool:
         if self.hazards:
             self.hazards.access(name, cells, kind, site)
     # <<< ch08
-# >>> ch09: MTP: a verify step's window in token_pool
-
-
-def window_cells(batch: ForwardBatch, start: int, end: int) -> list[tuple[int, int]]:
-    """Positions L+start .. L+end-1 of each request's row, L its committed length."""
-    # >>> ch12 replaces ch09: L as far as the window may start: from the host's count to one window past it
-    #| return [(row, p + j) for row, p in zip(batch.rows, batch.prefix_lens) for j in range(start, end)]
-    W = batch.extend_lens[0]
-    return [(row, i) for row, p, e in zip(batch.rows, batch.prefix_lens, batch.ends()) for i in range(p + start, e - W + end)]
-    # <<< ch12
-# <<< ch09

@@ -99,6 +99,16 @@ class ForwardBatch:
         """Each request's position seq_len: where the sampler writes its next input token."""
         return [(row, p + n) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens)]
     # <<< ch08
+    # >>> ch09: MTP: a verify step's window in token_pool
+
+    def window_cells(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Positions L+start .. L+end-1 of each request's row, L its committed length."""
+        # >>> ch12 replaces ch09: L as far as the window may start: from the host's count to one window past it
+        #| return [(row, p + j) for row, p in zip(self.rows, self.prefix_lens) for j in range(start, end)]
+        W = self.extend_lens[0]
+        return [(row, i) for row, p, e in zip(self.rows, self.prefix_lens, self.ends()) for i in range(p + start, e - W + end)]
+        # <<< ch12
+    # <<< ch09
 
 
 def allocate_kv(req: Req, num_tokens: int, allocator: PageAllocator, tables: ReqToTokenPool) -> list[int]:

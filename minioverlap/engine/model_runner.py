@@ -223,14 +223,14 @@ class ModelRunner:
         if self.hazards:
             self.hazards.step = step
 
-    def record_kv_accesses(self, batch: ForwardBatch) -> None:
+    def record_kv_accesses(self, batch: ForwardBatch, pool: str = "kv_pool", who: str = "attention") -> None:
         """Attention writes each new token's K and V, and reads every K and V of its request."""
         if not self.hazards:
             return
         for req, p, end in zip(batch.reqs, batch.prefix_lens, batch.ends()):
             slots = self.allocator.kv_slots(req.pages, 0, end)
-            self.hazards.access("kv_pool", slots[p:], "write", f"attention stores request {req.uid}'s new K and V")
-            self.hazards.access("kv_pool", slots, "read", f"attention reads request {req.uid}'s K and V")
+            self.hazards.access(pool, slots[p:], "write", f"{who} stores request {req.uid}'s new K and V")
+            self.hazards.access(pool, slots, "read", f"{who} reads request {req.uid}'s K and V")
     # <<< ch08
 
     # ---- request slots and pages
@@ -279,8 +279,12 @@ class ModelRunner:
         return self.allocator.num_pages - 1           # page 0 is never handed out
 
     def pages_needed(self, req: Req) -> int:
-        """Pages for everything the request may hold: its prompt and all but its last new token."""
-        return self.allocator.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1)
+        """Pages for every KV slot the request may hold."""
+        return self.allocator.pages_for(self.tokens_needed(req))
+
+    def tokens_needed(self, req: Req) -> int:
+        """Its prompt and all but its last new token (the last is sampled, never run)."""
+        return len(req.prompt_ids) + req.max_new_tokens - 1
 
     def need(self, req: Req) -> str:
         """What those pages hold, for the message that refuses a request too large for the pool."""

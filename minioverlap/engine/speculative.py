@@ -208,9 +208,9 @@ class SpecRunner(ModelRunner):
         if out.batch.mode is ForwardMode.TARGET_VERIFY:
             req.seq_len += len(tokens)
 
-    def pages_needed(self, req: Req) -> int:
+    def tokens_needed(self, req: Req) -> int:
         """The plain runner's count, and the KV slots the verify windows may reach past the last token."""
-        return self.allocator.pages_for(len(req.prompt_ids) + req.max_new_tokens - 1 + window_slack(self.mtp_steps))
+        return super().tokens_needed(req) + window_slack(self.mtp_steps)
 
     def need(self, req: Req) -> str:
         return f"{super().need(req)}, and the {window_slack(self.mtp_steps)} KV slots that verify windows may reach past the last one,"
@@ -218,12 +218,7 @@ class SpecRunner(ModelRunner):
     def record_kv_accesses(self, batch: ForwardBatch) -> None:
         """The target's K and V, and the drafter's, at the same slots."""
         super().record_kv_accesses(batch)
-        if not self.hazards:
-            return
-        for req, p, end in zip(batch.reqs, batch.prefix_lens, batch.ends()):
-            slots = self.allocator.kv_slots(req.pages, 0, end)
-            self.hazards.access("draft_kv_pool", slots[p:], "write", f"the drafter stores request {req.uid}'s K and V")
-            self.hazards.access("draft_kv_pool", slots, "read", f"the drafter reads request {req.uid}'s K and V")
+        super().record_kv_accesses(batch, "draft_kv_pool", "the drafter")
     # >>> ch13: CUDA graphs
 
     def init_graphs(self, max_running: int) -> None:

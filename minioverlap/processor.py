@@ -1,0 +1,108 @@
+"""What a caller gives, made into checked requests, and what the caller gets back: prompts (text or
+token ids) to token ids, one SamplingParams per prompt, each request's stop rules; a finished request
+to its RequestOutput, the tokens decoded to text (vLLM's InputProcessor and OutputProcessor in one).
+
+It knows the tokenizer, the vocabulary and the context, and nothing of the engine: the face (llm.py)
+gives the requests their uids once every one has passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from minioverlap.engine.request import Req
+from minioverlap.sampling_params import SamplingParams, integral
+
+Prompt = str | list[int]
+Params = SamplingParams | list[SamplingParams] | None
+
+
+@dataclass
+class RequestOutput:
+    uid: int                           # the request's id, in the order the prompts were given
+    prompt_token_ids: list[int]
+    token_ids: list[int]               # the generated tokens (EOS included if hit)
+    text: str                          # the generated tokens decoded (special tokens skipped)
+    finish_reason: str | None          # "stop" (EOS or a stop token), "length" (max_tokens or the context),
+                                       # "abort", or (chapter 07) "error": the request failed alone
+    # >>> ch09: MTP
+    verify_steps: int = 0              # target passes that produced the tokens (0 without MTP)
+    # <<< ch09
+
+
+class Processor:
+    """The caller's side of the engine: checks and tokenizes what comes in, decodes what goes out."""
+
+    def __init__(self, tokenizer, model_dir: Path, config, max_seq_len: int) -> None:
+        self.tokenizer = tokenizer               # a `tokenizers.Tokenizer`, or None: token-id prompts only
+        self.model_dir = model_dir
+        self.vocab_size = config.vocab_size
+        self.eos_token_ids = set(config.eos_token_ids)
+        self.max_seq_len = max_seq_len
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text or token ids -> token ids, checked against the vocabulary and the context."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is text but {self.model_dir} has no tokenizer.json; pass token ids")
+            ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, (list, tuple)):
+            ids = [_token_id("prompt", t) for t in prompt]
+        else:
+            raise ValueError(f"prompt must be text or a list of token ids, got {prompt!r}")
+        if not ids:
+            raise ValueError("prompt is empty: it must hold at least 1 token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_seq_len}, "
+                             f"so a prompt may have at most {self.max_seq_len - 1}")
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+        """A checked request with its stop rules: EOS unless ignore_eos, max_tokens, the context limit."""
+        ids = self.encode(prompt)
+        stop = set() if params.ignore_eos else set(self.eos_token_ids)
+        # >>> ch04: stop tokens
+        bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
+        stop |= set(params.stop_token_ids)
+        # <<< ch04
+        return Req(-1, ids, params, min(params.max_tokens, self.max_seq_len - len(ids)), frozenset(stop))
+
+    def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
+        """One checked request per prompt (no uid yet). `params` is one SamplingParams for all prompts
+        or a list of one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and not isinstance(prompts[0], (str, list, tuple))):
+            prompts = [prompts]                  # one prompt: text, or token ids
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if not (isinstance(params, list) and all(isinstance(s, SamplingParams) for s in params)):
+            raise ValueError(f"params must be a SamplingParams or a list of one per prompt, got {params!r}")
+        if len(params) != len(prompts):
+            raise ValueError(f"params is a list of {len(params)} SamplingParams for {len(prompts)} prompts")
+        return [self.make_request(p, s) for p, s in zip(prompts, params)]
+
+    def output(self, req: Req) -> RequestOutput:
+        """What the caller gets for a request."""
+        # >>> ch09 replaces ch01: with MTP, the verify steps too
+        #| return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason)
+        return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason,
+                             req.verify_steps)
+        # <<< ch09
+
+
+def _token_id(field: str, value: object) -> int:
+    number = integral(value)
+    if number is None:
+        raise ValueError(f"{field} token id {value!r} is not an integer")
+    return number
