@@ -788,8 +788,11 @@ def _missing(stage: Path, module: str, name: str | None) -> str | None:
     return None if names is None or name in names else f"{name} from {module}"
 
 
-def tail(result: subprocess.CompletedProcess, lines: int = 25) -> str:
-    return "\n".join(((result.stdout or "") + (result.stderr or "")).rstrip().splitlines()[-lines:])
+def tail(result: subprocess.CompletedProcess, lines: int = 25, stderr: bool = True) -> str:
+    """The last lines of a run's output; stderr=False: of its stdout alone (pytest's summary line, not a
+    plugin's warning after it)."""
+    text = (result.stdout or "") + (result.stderr or "" if stderr else "")
+    return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
 # ---------------------------------------------------------------- snippets
@@ -1292,7 +1295,7 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     r = run_pytest(stage, ["tests"] if targets is None else targets, timeout=timeout * 4, parallel=True,
                    processes_from=0 if last else n)
     detail = "" if targets is None else f" (the code of stage {n - 1:02d}: only {', '.join(targets)})"
-    report.add(f"stage {n:02d} tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25) + detail)
+    report.add(f"stage {n:02d} tests", r.returncode == 0, (tail(r, 1, stderr=False) if r.returncode == 0 else tail(r)) + detail)
     broken, green = set(failed_tests(r)), r.returncode == 0  # a bug that only the broken catch proves nothing
     with ThreadPoolExecutor(WORKERS) as pool:  # one job per core, each pytest on one torch thread
         example = pool.submit(run_shown, stage, f"python {chapter.example}", timeout) \
