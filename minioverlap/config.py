@@ -66,8 +66,7 @@ class Guards:
     prompt_on_forward_stream: bool = True  # a prefill writes its own prompt into token_pool, on the forward stream
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            check_bool(f.name, getattr(self, f.name))
+        check_bools(self)
 
 
 def check_guards(args: EngineArgs) -> None:
@@ -77,8 +76,8 @@ def check_guards(args: EngineArgs) -> None:
 # <<< ch08
 
 
-def check_bools(args: EngineArgs) -> None:
-    """A bool option is True or False, not 1 or "yes"."""
+def check_bools(args: EngineArgs | Guards) -> None:
+    """A bool field is True or False, not 1 or "yes"."""
     for f in fields(args):
         if f.type == "bool":
             check_bool(f.name, getattr(args, f.name))

@@ -30,7 +30,7 @@ from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import DTYPES, checkpoint_dtype, load_model, load_tokenizer, resolve_model_dir
 from minioverlap.processor import Params, Processor, Prompt, RequestOutput
-from minioverlap.sampling_params import SamplingParams, integral
+from minioverlap.sampling_params import SamplingParams, _integer, integral
 # >>> ch04: the scheduler
 from minioverlap.device.trace import Trace
 from minioverlap.scheduler.scheduler import Reply, Scheduler
@@ -205,10 +205,8 @@ def _engine_args(model: str, options: dict) -> EngineArgs:
 def _check_max_seq_len(max_seq_len: int | None, limit: int) -> int:
     if max_seq_len is None:
         return limit
-    value = integral(max_seq_len)
-    if value is None or not 2 <= value <= limit:
-        raise ValueError(f"max_seq_len must be an integer in [2, {limit}] (the model's context), got {max_seq_len!r}")
-    return value
+    return _integer("max_seq_len", max_seq_len, f"an integer in [2, {limit}] (the model's context)",
+                    lambda n: 2 <= n <= limit)
 
 
 def _check_device(device: str) -> str:

@@ -791,7 +791,7 @@ def _missing(stage: Path, module: str, name: str | None) -> str | None:
 def tail(result: subprocess.CompletedProcess, lines: int = 25, stderr: bool = True) -> str:
     """The last lines of a run's output; stderr=False: of its stdout alone (pytest's summary line, not a
     plugin's warning after it)."""
-    text = (result.stdout or "") + (result.stderr or "" if stderr else "")
+    text = (result.stdout or "") + ((result.stderr or "") if stderr else "")
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
