@@ -163,6 +163,25 @@ def run_traced(args: argparse.Namespace, **engine_args) -> tuple[Trace, int]:
 # <<< ch04
 
 
+# >>> ch16: the server
+
+
+def serve(args: argparse.Namespace, console: Console) -> None:
+    """Serve the model over OpenAI's HTTP API until Ctrl-C (SIGINT) or SIGTERM."""
+    from minioverlap.server.launch import serve as run_server    # FastAPI and uvicorn load only for `serve`
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    options = engine_options(args)
+    for name in ("cuda_graphs", "max_running"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    try:
+        run_server(options, host=args.host, port=args.port)
+    except RuntimeError as err:          # the scheduler process could not build the engine: its error
+        raise ValueError(str(err)) from None
+# <<< ch16
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line's parser: one subcommand per command, each option with its help."""
     top = argparse.ArgumentParser(prog="minioverlap", description="A small LLM engine that teaches overlap scheduling.")
@@ -171,16 +190,20 @@ def parser() -> argparse.ArgumentParser:
     # >>> ch04: the event trace
     commands["trace"] = (trace, "run a prompt and print the scheduler's events", 3)
     # <<< ch04
+    # >>> ch16: the server
+    commands["serve"] = (serve, "serve the model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions)", None)
+    # <<< ch16
     for name, (run, help_text, max_tokens) in commands.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(run=run)
         if name == "generate":
             cmd.add_argument("prompt", help="the text to complete")
-        else:
+        elif max_tokens is not None:
             cmd.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="the prompt (default: %(default)r)")
         cmd.add_argument("--model", default="tiny", help="'tiny' (shipped) or a local HF-format Qwen3 directory")
         cmd.add_argument("--device", default="cpu", help="where the model runs: cpu (the default), cuda or cuda:N")
-        cmd.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens at most (default: %(default)s)")
+        if max_tokens is not None:
+            cmd.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens at most (default: %(default)s)")
     # >>> ch03: sampling
     gen = sub.choices["generate"]
     gen.add_argument("--temperature", type=float, default=0.0,
@@ -200,10 +223,20 @@ def parser() -> argparse.ArgumentParser:
     trace_cmd.add_argument("--chrome", type=Path, metavar="FILE",
                            help="also write Chrome trace-event JSON to FILE, for Perfetto (its folder is created)")
     # <<< ch06
+    # >>> ch16: the server
+    serve_cmd = sub.choices["serve"]
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="the port to listen on (default: %(default)s)")
+    serve_cmd.add_argument("--loop", choices=("normal", "overlap"), help="the scheduler loop (default: the engine's)")
+    serve_cmd.add_argument("--max-running", type=int, help="request slots: the most requests running at once "
+                           "(default: the engine's); the others wait in the queue")
+    serve_cmd.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                           help="decode steps as CUDA graph replays (default: on for CUDA)")
+    # <<< ch16
     # >>> ch09: MTP drafts
-    for name in ("generate", "trace"):
-        sub.choices[name].add_argument("--mtp", type=int, default=0, metavar="K",
-                                       help="drafts per step with the model's MTP layer (speculative decoding)")
+    for cmd in sub.choices.values():
+        cmd.add_argument("--mtp", type=int, default=0, metavar="K",
+                         help="drafts per step with the model's MTP layer (speculative decoding)")
     # <<< ch09
     return top
 

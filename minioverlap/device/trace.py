@@ -4,6 +4,7 @@
 For each step N both loops record, each as its phase ends: `schedule` (the batch is chosen), `launch`
 (its work is queued), `wait` (the step's result has reached the host), `process` (the result is
 handled: tokens appended, stop rules, frees) and `reply` (the handled tokens went to the clients).
+A server's loop (chapter 16) also records `receive`: requests that arrived while the last step ran.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-KINDS = ("schedule", "launch", "wait", "process", "reply")
+# >>> ch16 replaces ch04: a server's loop also records the requests that arrive while it runs
+#| KINDS = ("schedule", "launch", "wait", "process", "reply")
+KINDS = ("receive", "schedule", "launch", "wait", "process", "reply")
+# <<< ch16
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+# >>> ch16: a server's requests arrive while the loop runs
+from collections.abc import Callable
+# <<< ch16
 from dataclasses import dataclass
 
 # >>> ch08: the guards
@@ -95,10 +98,16 @@ class Scheduler:
             # >>> ch06: which loop
             overlap: bool = False,
             # <<< ch06
+            # >>> ch16: a server's requests arrive while the loop runs
+            receive: Callable[[], bool] | None = None,
+            # <<< ch16
             ) -> Iterator[Reply]:
         """Iterate the loop until every request is done, yielding the replies as they are made. Each
         iteration runs inside the schedule stream (06), never across a yield: the caller's code between
-        replies runs on its own stream."""
+        replies runs on its own stream. From chapter 16 a server passes `receive`, called after every
+        iteration's replies: it puts what arrived since (new requests, aborts) into the inbox, without
+        waiting, for the next iteration's receive; it returns False to end the run (the server stops),
+        which aborts what is left."""
         self.trace, self.step = Trace(), 0
         # >>> ch06 replaces ch04: both loops, side by side
         #| while self.busy:
@@ -111,7 +120,27 @@ class Scheduler:
                 else:
                     replies = self.normal_loop()
             yield from replies
+            # >>> ch16: the receive step, made real: what arrived while the iteration ran, for the next one
+            if receive is not None and not self.arrivals(receive):
+                self.abandon()
+                return
+            # <<< ch16
         # <<< ch06
+
+    # >>> ch16: the receive step, made real
+
+    def arrivals(self, receive: Callable[[], bool]) -> bool:
+        """Let the server put what arrived into the inbox; the new requests join the trace as `receive`.
+        False: the server stops."""
+        # >>> exercise 16.2: the receive step
+        before = len(self.inbox)
+        going = receive()
+        new = [item.uid for kind, item in list(self.inbox)[before:] if kind == "add"]
+        if new:
+            self.trace.record("receive", self.step, new)
+        return going
+        # <<< exercise 16.2
+    # <<< ch16
 
     def normal_loop(self) -> list[Reply]:
         """One iteration: receive, schedule, launch, wait, process."""

@@ -1,0 +1,143 @@
+# >>> ch16 file: the HTTP side's end of the pipes
+"""The HTTP side's end of the pipes to the scheduler process.
+
+Handlers run on one asyncio event loop; the pipe's reads block, so a thread reads them and hands each
+message to the loop, which routes it to the request's queue. Sends are short and come from the loop's
+own thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from multiprocessing.connection import Connection
+
+from minioverlap.sampling_params import SamplingParams
+from minioverlap.server.engine import Abort, Add, Failed, Integrity, Ready, Rejected, Report, Stop, Tokens
+
+
+class EngineGone(RuntimeError):
+    """The scheduler process has exited (a crash, or the server is stopping)."""
+
+
+class EngineClient:
+    def __init__(self, to_engine: Connection, from_engine: Connection) -> None:
+        self.to_engine, self.from_engine = to_engine, from_engine
+        self.ids = itertools.count(1)
+        self.streams: dict[int, asyncio.Queue] = {}      # rid -> its Accepted/Rejected, then its Tokens
+        self.reports: list[asyncio.Future] = []          # Integrity asks, answered in order
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.alive = False
+
+    def wait_ready(self) -> Ready:
+        """Block until the engine is built: Ready, or its Failed error as a RuntimeError."""
+        try:
+            msg = self.from_engine.recv()
+        except EOFError:
+            raise RuntimeError("the scheduler process exited before it was ready") from None
+        if isinstance(msg, Failed):
+            raise RuntimeError(msg.error)
+        self.alive = True
+        return msg
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start routing the engine's messages to the handlers on `loop`."""
+        self.loop = loop
+        threading.Thread(target=self.read, name="engine-reader", daemon=True).start()
+
+    def read(self) -> None:
+        """The reader thread: every message to the loop, then the pipe's end (the process has exited)."""
+        while True:
+            try:
+                msg = self.from_engine.recv()
+            except (EOFError, OSError):
+                self.on_loop(self.gone)
+                return
+            self.on_loop(self.route, msg)
+
+    def on_loop(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:                     # the event loop has closed: the server is down
+            pass
+
+    def route(self, msg: object) -> None:
+        if isinstance(msg, Report):
+            if self.reports:
+                self.reports.pop(0).set_result(msg)
+        elif (queue := self.streams.get(msg.rid)) is not None:   # a stream that left is dropped
+            queue.put_nowait(msg)
+            if isinstance(msg, Rejected) or (isinstance(msg, Tokens) and msg.finished):
+                del self.streams[msg.rid]
+
+    def gone(self) -> None:
+        """Every request still waiting ends with an error; every later one is refused."""
+        self.alive = False
+        self.end_all("the engine has stopped")
+        for future in self.reports:
+            future.set_exception(EngineGone("the engine has stopped"))
+        self.reports.clear()
+
+    def end_all(self, why: str = "the server is shutting down") -> None:
+        """End every request still open with an error (the engine aborts them: their streams leave)."""
+        for queue in self.streams.values():
+            queue.put_nowait(EngineGone(why))
+        self.streams.clear()
+
+    def send(self, msg: object) -> None:
+        if not self.alive:
+            raise EngineGone("the engine has stopped")
+        try:
+            self.to_engine.send(msg)
+        except (BrokenPipeError, OSError):
+            self.gone()
+            raise EngineGone("the engine has stopped") from None
+
+    async def add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        """Send a checked request; its id and queue once the engine accepted it. RequestRejected if the
+        engine refused it (it could never fit the page pool)."""
+        rid, queue = next(self.ids), asyncio.Queue()
+        self.streams[rid] = queue
+        self.send(Add(rid, prompt_ids, params))
+        try:
+            answer = await queue.get()
+        except asyncio.CancelledError:           # the client left before the engine answered
+            self.abort(rid)
+            raise
+        if isinstance(answer, EngineGone):
+            raise answer
+        if isinstance(answer, Rejected):
+            raise RequestRejected(answer.error)
+        return rid, queue
+
+    def abort(self, rid: int) -> None:
+        """Stop a request (its client left, or /abort asked); its last Tokens say 'abort'. A request that
+        has ended already is left as it is."""
+        if self.alive:
+            self.send(Abort(rid))
+
+    def abort_all(self) -> int:
+        rids = list(self.streams)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
+    async def integrity(self) -> Report:
+        future = self.loop.create_future()
+        self.reports.append(future)
+        self.send(Integrity())
+        return await future
+
+    def stop(self) -> None:
+        """Tell the scheduler process to abort what is left and exit (once; later calls do nothing)."""
+        if self.alive:
+            try:
+                self.send(Stop())
+            except EngineGone:
+                pass
+            self.alive = False
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request that passed the HTTP side's checks (the page pool)."""

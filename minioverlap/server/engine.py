@@ -1,0 +1,170 @@
+# >>> ch16 file: the scheduler process
+"""The scheduler process: the engine of chapters 01-14, behind two pipes.
+
+The HTTP side (api.py) tokenizes, checks and detokenizes; this process only schedules and steps, as
+SGLang's scheduler process does. Messages in: Add, Abort, Integrity, Stop. Messages out: Ready (or
+Failed) once, then Accepted or Rejected for every Add, Tokens for every reply, and the integrity report.
+
+The loop receives at the top of every iteration (Scheduler.run's `receive`): a request that arrives
+while a step runs waits in the pipe until the step's iteration is over. With nothing to do, the process
+blocks on the pipe; the run it starts when something arrives ends when it has nothing left to do.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from minioverlap.llm import LLM
+from minioverlap.sampling_params import SamplingParams
+from minioverlap.scheduler.scheduler import IntegrityError, Reply
+
+
+# ---- the HTTP side to the scheduler
+@dataclass
+class Add:
+    rid: int                          # the request's id, given by the HTTP side (the engine's uid)
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Abort:
+    rid: int                          # a request that finished already is left as it is
+
+
+@dataclass
+class Integrity:
+    """Ask for the integrity report (tests, and a curious operator)."""
+
+
+@dataclass
+class Stop:
+    """Abort what is left and exit."""
+
+
+# ---- the scheduler to the HTTP side
+@dataclass
+class Ready:
+    max_seq_len: int                  # the context the engine serves: the HTTP side checks prompts against it
+
+
+@dataclass
+class Failed:
+    error: str                        # the engine could not be built (a bad option, a checkpoint it refuses)
+
+
+@dataclass
+class Accepted:
+    rid: int
+
+
+@dataclass
+class Rejected:
+    rid: int
+    error: str                        # why the engine refused it (a request too large for the page pool)
+
+
+@dataclass
+class Tokens:
+    rid: int
+    token_ids: list[int]              # the new tokens of one step
+    finished: bool
+    finish_reason: str | None
+    error: str | None                 # why it failed alone (finish_reason "error")
+
+
+@dataclass
+class Report:
+    idle: bool                        # nothing queued, running or in flight: only then must everything be free
+    problems: str | None              # IntegrityError's message, or None
+    free_pages: int
+    usable_pages: int
+    free_rows: int
+    max_running: int
+    finishes: dict[str, int]          # requests ended since the start, by finish_reason ("stop", "abort", ...)
+
+
+def run_engine(options: dict, inbox: Connection, outbox: Connection) -> None:
+    """The scheduler process's main: build the engine, say Ready, serve until Stop (or the HTTP side is
+    gone: its pipe closes). Ctrl-C reaches every process of the terminal: this one leaves the shutdown
+    to the HTTP side, which sends Stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        llm = LLM(**options)
+    except Exception as err:                 # a bad option or checkpoint: the HTTP side prints it and exits
+        outbox.send(Failed(f"{type(err).__name__}: {err}"))
+        return
+    outbox.send(Ready(llm.max_seq_len))
+    EngineLoop(llm, inbox, outbox).serve()
+
+
+class EngineLoop:
+    """Runs of the scheduler's loop, one per busy period, fed by the pipe."""
+
+    def __init__(self, llm: LLM, inbox: Connection, outbox: Connection) -> None:
+        self.llm, self.scheduler = llm, llm.scheduler
+        self.inbox, self.outbox = inbox, outbox
+        self.stopping = False
+        self.finishes: dict[str, int] = {}
+
+    def serve(self) -> None:
+        while not self.stopping:
+            self.take(self.next_message())       # idle: wait for the next message
+            if self.scheduler.busy:
+                for reply in self.scheduler.run(self.llm.args.overlap, receive=self.receive):
+                    self.outbox.send(tokens(reply))
+                    if reply.finished:
+                        self.finishes[reply.finish_reason] = self.finishes.get(reply.finish_reason, 0) + 1
+
+    def receive(self) -> bool:
+        """The receive step: every message that arrived since the last one, without waiting. False: stop."""
+        while not self.stopping and self.inbox.poll():
+            self.take(self.next_message())
+        return not self.stopping
+
+    def next_message(self) -> object:
+        try:
+            return self.inbox.recv()
+        except (EOFError, OSError):              # the HTTP side is gone
+            return Stop()
+
+    def take(self, msg: object) -> None:
+        """Put one message into the scheduler's inbox, or answer it."""
+        if isinstance(msg, Add):
+            self.add(msg)
+        elif isinstance(msg, Abort):
+            self.scheduler.abort(msg.rid)
+        elif isinstance(msg, Integrity):
+            self.outbox.send(self.report())
+        elif isinstance(msg, Stop):
+            self.stopping = True
+        else:
+            raise TypeError(f"the scheduler process got {msg!r}, not a message it knows")
+
+    def add(self, msg: Add) -> None:
+        """Check the request as LLM.make_requests does; the HTTP side's id becomes its uid."""
+        try:
+            req = self.llm.make_request(msg.prompt_ids, msg.params)
+            self.scheduler.check_fits_pool(req)
+        except ValueError as err:
+            self.outbox.send(Rejected(msg.rid, str(err)))
+            return
+        req.uid = msg.rid
+        self.scheduler.add_request(req)
+        self.outbox.send(Accepted(msg.rid))
+
+    def report(self) -> Report:
+        runner, sched = self.scheduler.runner, self.scheduler
+        try:
+            sched.check_integrity()
+            problems = None
+        except IntegrityError as err:
+            problems = str(err)
+        return Report(not (sched.busy or sched.in_flight or sched.deferred), problems, runner.free_pages,
+                      runner.usable_pages, runner.free_rows, self.llm.max_running, dict(self.finishes))
+
+
+def tokens(reply: Reply) -> Tokens:
+    return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error)

@@ -1,0 +1,88 @@
+# >>> ch16 file: the server's processes
+"""`minioverlap serve`: the scheduler process is started first and built (the model loaded, graphs
+captured); only when it says Ready does the HTTP side open its port. uvicorn turns SIGINT and SIGTERM
+into a graceful shutdown: the port closes, the streams in flight get `grace` seconds to finish, then the
+scheduler process is told to stop (it aborts what is left) and is waited for. Nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from minioverlap.config import EngineArgs
+from minioverlap.model.loader import load_config, load_tokenizer, resolve_model_dir
+from minioverlap.processor import Processor
+from minioverlap.server.api import Served, create_app
+from minioverlap.server.client import EngineClient
+from minioverlap.server.engine import run_engine
+from minioverlap.server.text import ChatTemplate
+
+
+def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, grace: float = 5.0,
+          log_level: str = "warning") -> None:
+    """Run the server until SIGINT or SIGTERM. `options` are LLM's (EngineArgs' fields): checked here
+    first, so that a bad one is a ValueError before any process starts."""
+    EngineArgs(**options)
+    model_dir = resolve_model_dir(options.get("model", "tiny"))
+    engine, process = start_engine(options)
+    try:
+        ready = engine.wait_ready()
+        processor = Processor(load_tokenizer(model_dir), model_dir, load_config(model_dir), ready.max_seq_len)
+        served = Served(str(options.get("model", "tiny")), processor, ChatTemplate(model_dir))
+        print(f"minioverlap: serving {served.name} on http://{host}:{port}", flush=True)
+        config = uvicorn.Config(create_app(engine, served), host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=grace + 5)
+        with signals_end_the_server():
+            GracefulServer(config, engine, grace).run()
+    finally:
+        engine.stop()
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+class GracefulServer(uvicorn.Server):
+    """On the first SIGINT or SIGTERM uvicorn closes the port and waits for the open connections; the
+    streams still open after `grace` seconds end with an error event (EngineClient.end_all), so none is
+    cut off mid-body. uvicorn's own limit, a little longer, is the backstop."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit and self.engine.loop is not None:
+            self.engine.loop.call_soon_threadsafe(self.engine.loop.call_later, self.grace, self.engine.end_all)
+        super().handle_exit(sig, frame)
+
+
+@contextmanager
+def signals_end_the_server() -> Iterator[None]:
+    """uvicorn handles SIGINT and SIGTERM while it serves, and raises the signal again once it has shut
+    down, to the handler it found: this one, which lets `serve` return, so that the scheduler process is
+    stopped and waited for, and the exit code is 0."""
+    handlers = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def start_engine(options: dict) -> tuple[EngineClient, mp.Process]:
+    """The scheduler process (spawned: a fresh interpreter, so CUDA starts cleanly in it) and its pipes.
+    The parent closes the child's ends, so that either side sees the other exit as an EOF."""
+    ctx = mp.get_context("spawn")
+    engine_in, to_engine = ctx.Pipe(duplex=False)           # (the end that reads, the end that writes)
+    from_engine, engine_out = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=run_engine, args=(options, engine_in, engine_out), name="minioverlap-scheduler")
+    process.start()
+    engine_in.close()
+    engine_out.close()
+    return EngineClient(to_engine, from_engine), process

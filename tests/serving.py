@@ -1,0 +1,74 @@
+# >>> ch16 file: a real server for the tests
+"""A `minioverlap serve` process on 127.0.0.1 on a free port, for chapter 16's tests: started, waited
+for (GET /health), stopped with SIGTERM (the way a supervisor stops it), and checked to exit cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, startup_s: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        device = os.environ.get("MINIOVERLAP_TEST_DEVICE", "cpu")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "minioverlap", "serve", "--port", str(self.port), "--device", device, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        self.wait_healthy(startup_s)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.process.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError(f"the server did not answer /health within {timeout_s} s:\n{self.process.stdout.read()}")
+
+    def integrity(self) -> dict:
+        return httpx.get(f"{self.url}/integrity", timeout=30.0).json()
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict:
+        """The integrity report once nothing is queued, running or in flight."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            report = self.integrity()
+            if report["idle"]:
+                return report
+            time.sleep(0.1)
+        raise AssertionError(f"the engine is still busy after {timeout_s} s: {report}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> tuple[int, str]:
+        """Send `sig`; the exit code and everything the server printed."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            out, _ = self.process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            out, _ = self.process.communicate()
+            raise AssertionError(f"the server did not stop within {timeout_s} s of signal {sig}:\n{out}")
+        return self.process.returncode, out
