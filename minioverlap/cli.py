@@ -176,7 +176,7 @@ def serve(args: argparse.Namespace, console: Console) -> None:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
-        run_server(options, host=args.host, port=args.port)
+        run_server(options, host=args.host, port=args.port, first_tokens_first=args.first_tokens_first)
     except RuntimeError as err:          # the scheduler process could not build the engine: its error
         raise ValueError(str(err)) from None
 # <<< ch16
@@ -230,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--loop", choices=("normal", "overlap"), help="the scheduler loop (default: the engine's)")
     serve_cmd.add_argument("--max-running", type=int, help="request slots: the most requests running at once "
                            "(default: the engine's); the others wait in the queue")
+    serve_cmd.add_argument("--first-tokens-first", action="store_true",
+                           help="the overlap loop handles a prefill before the next launch: the first token "
+                                "sooner, the device idle once per prefill (chapter 16)")
     serve_cmd.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                            help="decode steps as CUDA graph replays (default: on for CUDA)")
     # <<< ch16

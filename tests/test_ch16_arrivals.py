@@ -18,7 +18,8 @@ from tests.conftest import CODE_PROMPTS
 KINDS = ("receive", "launch", "process")
 
 
-def run_with_arrivals(llm: LLM, first: list, arrivals: dict[int, list], stop_at: int | None = None) -> list:
+def run_with_arrivals(llm: LLM, first: list, arrivals: dict[int, list], stop_at: int | None = None,
+                      first_tokens_first: bool = False) -> list:
     """Run the loop with `first` queued; after iteration i (counting from 1) has replied, `arrivals[i]`
     reaches the inbox, for iteration i + 1: a Req is added, an int is an abort of that uid. `stop_at`:
     receive says stop after that iteration."""
@@ -32,7 +33,7 @@ def run_with_arrivals(llm: LLM, first: list, arrivals: dict[int, list], stop_at:
         return calls != stop_at
 
     llm.scheduler.submit(first)
-    return list(llm.scheduler.run(llm.args.overlap, receive=receive))
+    return list(llm.scheduler.run(llm.args.overlap, receive, first_tokens_first))
 
 
 def two_requests(llm: LLM) -> tuple:
@@ -64,9 +65,22 @@ def test_in_the_overlap_loop_an_arrival_joins_the_step_after_next():
     assert [e.uids for e in llm.trace if e.kind == "schedule"] == [(0,), (0,), (1,), (0, 1), (0,)]
 
 
+def test_first_tokens_first_handles_a_prefill_before_the_next_launch():
+    """With first_tokens_first the overlap loop handles each prefill (A's step 1, B's step 2) before it
+    launches the next step: the first tokens go out as in the normal loop; the decode steps (3-5)
+    still overlap. B arrives after iteration 2, the one that only handled step 1."""
+    llm = LLM("tiny", overlap=True)
+    a, b = two_requests(llm)
+    run_with_arrivals(llm, [a], {2: [b]}, first_tokens_first=True)
+    assert llm.trace.order(KINDS) == ["launch 1", "handle 1", "receive 1", "launch 2", "handle 2",
+                                      "launch 3", "launch 4", "handle 3", "launch 5", "handle 4", "handle 5"]
+    assert [e.uids for e in llm.trace if e.kind == "schedule"] == [(0,), (1,), (0, 1), (0,), (0,)]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("mtp", [0, 2], ids=["plain", "mtp2"])
-def test_tokens_do_not_depend_on_when_requests_arrive(overlap, mtp):
+@pytest.mark.parametrize("first", [False, True], ids=["", "first-tokens-first"])
+def test_tokens_do_not_depend_on_when_requests_arrive(overlap, mtp, first):
     """Requests arriving at random iterations get the tokens a fresh engine gives them all at once."""
     params = [SamplingParams(max_tokens=n) for n in (12, 5, 9, 16, 7)]
     expected = [o.token_ids for o in LLM("tiny").generate(CODE_PROMPTS, params)]
@@ -76,7 +90,7 @@ def test_tokens_do_not_depend_on_when_requests_arrive(overlap, mtp):
     arrivals: dict[int, list] = {}
     for req in reqs[1:]:
         arrivals.setdefault(rng.randrange(1, 12), []).append(req)
-    replies = run_with_arrivals(llm, reqs[:1], arrivals)
+    replies = run_with_arrivals(llm, reqs[:1], arrivals, first_tokens_first=first)
     got = {req.uid: [] for req in reqs}
     for reply in replies:
         got[reply.uid] += reply.token_ids

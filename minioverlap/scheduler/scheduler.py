@@ -67,6 +67,9 @@ class Scheduler:
         # >>> ch07 fix slot-reuse: requests whose slot and pages wait for an in-flight step to be handled
         self.deferred: list[tuple[int, Req]] = []   # (the step that must be handled first, the request)
         # <<< ch07
+        # >>> ch16: the time to first token (Scheduler.run's option)
+        self.first_tokens_first = False
+        # <<< ch16
         # >>> ch08: the guards of the shared tables, the runner's (chapter 08 says which orders which write)
         self.guards: Guards = runner.guards
         # <<< ch08
@@ -100,6 +103,7 @@ class Scheduler:
             # <<< ch06
             # >>> ch16: a server's requests arrive while the loop runs
             receive: Callable[[], bool] | None = None,
+            first_tokens_first: bool = False,
             # <<< ch16
             ) -> Iterator[Reply]:
         """Iterate the loop until every request is done, yielding the replies as they are made. Each
@@ -107,8 +111,12 @@ class Scheduler:
         replies runs on its own stream. From chapter 16 a server passes `receive`, called after every
         iteration's replies: it puts what arrived since (new requests, aborts) into the inbox, without
         waiting, for the next iteration's receive; it returns False to end the run (the server stops),
-        which aborts what is left."""
+        which aborts what is left. With `first_tokens_first` the overlap loop handles a prefill step
+        before it launches the next one (overlap_loop says what that costs)."""
         self.trace, self.step = Trace(), 0
+        # >>> ch16: the time to first token
+        self.first_tokens_first = first_tokens_first
+        # <<< ch16
         # >>> ch06 replaces ch04: both loops, side by side
         #| while self.busy:
         #|     yield from self.normal_loop()
@@ -157,7 +165,17 @@ class Scheduler:
         """One iteration: schedule and launch step N+1, then wait for and handle step N (`last`).
 
         Launching first is what keeps the device busy: while it runs step N+1, the host handles
-        step N. Step N+1 was built without step N's tokens; they are on the device already (05)."""
+        step N. Step N+1 was built without step N's tokens; they are on the device already (05).
+
+        From chapter 16, with first_tokens_first, an iteration that finds a prefill in flight only
+        waits for it and handles it: its requests' first tokens go out before step N+1 is launched,
+        not after (a CPU runs the step at its launch: a whole step sooner). The price: the device
+        idles while the host handles the prefill and launches the next step, once per prefill."""
+        # >>> ch16: the time to first token
+        if self.first_tokens_first and last is not None and last.batch.mode is ForwardMode.EXTEND:
+            self.wait(last)
+            return None, self.process(last)
+        # <<< ch16
         # >>> exercise 06.1: the overlap loop
         replies = self.receive()
         batch = self.schedule()

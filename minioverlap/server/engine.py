@@ -86,7 +86,7 @@ class Report:
     finishes: dict[str, int]          # requests ended since the start, by finish_reason ("stop", "abort", ...)
 
 
-def run_engine(options: dict, inbox: Connection, outbox: Connection) -> None:
+def run_engine(options: dict, inbox: Connection, outbox: Connection, first_tokens_first: bool = False) -> None:
     """The scheduler process's main: build the engine, say Ready, serve until Stop (or the HTTP side is
     gone: its pipe closes). Ctrl-C reaches every process of the terminal: this one leaves the shutdown
     to the HTTP side, which sends Stop."""
@@ -97,14 +97,15 @@ def run_engine(options: dict, inbox: Connection, outbox: Connection) -> None:
         outbox.send(Failed(f"{type(err).__name__}: {err}"))
         return
     outbox.send(Ready(llm.max_seq_len))
-    EngineLoop(llm, inbox, outbox).serve()
+    EngineLoop(llm, inbox, outbox, first_tokens_first).serve()
 
 
 class EngineLoop:
     """Runs of the scheduler's loop, one per busy period, fed by the pipe."""
 
-    def __init__(self, llm: LLM, inbox: Connection, outbox: Connection) -> None:
+    def __init__(self, llm: LLM, inbox: Connection, outbox: Connection, first_tokens_first: bool = False) -> None:
         self.llm, self.scheduler = llm, llm.scheduler
+        self.first_tokens_first = first_tokens_first       # Scheduler.run's option: a prefill handled before the next launch
         self.inbox, self.outbox = inbox, outbox
         self.stopping = False
         self.finishes: dict[str, int] = {}
@@ -113,7 +114,8 @@ class EngineLoop:
         while not self.stopping:
             self.take(self.next_message())       # idle: wait for the next message
             if self.scheduler.busy:
-                for reply in self.scheduler.run(self.llm.args.overlap, receive=self.receive):
+                replies = self.scheduler.run(self.llm.args.overlap, self.receive, self.first_tokens_first)
+                for reply in replies:
                     self.outbox.send(tokens(reply))
                     if reply.finished:
                         self.finishes[reply.finish_reason] = self.finishes.get(reply.finish_reason, 0) + 1

@@ -24,12 +24,12 @@ from minioverlap.server.text import ChatTemplate
 
 
 def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, grace: float = 5.0,
-          log_level: str = "warning") -> None:
+          log_level: str = "warning", first_tokens_first: bool = False) -> None:
     """Run the server until SIGINT or SIGTERM. `options` are LLM's (EngineArgs' fields): checked here
     first, so that a bad one is a ValueError before any process starts."""
     EngineArgs(**options)
     model_dir = resolve_model_dir(options.get("model", "tiny"))
-    engine, process = start_engine(options)
+    engine, process = start_engine(options, first_tokens_first)
     try:
         ready = engine.wait_ready()
         processor = Processor(load_tokenizer(model_dir), model_dir, load_config(model_dir), ready.max_seq_len)
@@ -75,13 +75,14 @@ def signals_end_the_server() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def start_engine(options: dict) -> tuple[EngineClient, mp.Process]:
+def start_engine(options: dict, first_tokens_first: bool = False) -> tuple[EngineClient, mp.Process]:
     """The scheduler process (spawned: a fresh interpreter, so CUDA starts cleanly in it) and its pipes.
     The parent closes the child's ends, so that either side sees the other exit as an EOF."""
     ctx = mp.get_context("spawn")
     engine_in, to_engine = ctx.Pipe(duplex=False)           # (the end that reads, the end that writes)
     from_engine, engine_out = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=run_engine, args=(options, engine_in, engine_out), name="minioverlap-scheduler")
+    process = ctx.Process(target=run_engine, args=(options, engine_in, engine_out, first_tokens_first),
+                          name="minioverlap-scheduler")
     process.start()
     engine_in.close()
     engine_out.close()
