@@ -108,13 +108,12 @@ class Scheduler:
             ) -> Iterator[Reply]:
         """Iterate the loop until every request is done, yielding the replies as they are made. Each
         iteration runs inside the schedule stream (06), never across a yield: the caller's code between
-        replies runs on its own stream. From chapter 16 a server passes `receive`, called after every
-        iteration's replies: it puts what arrived since (new requests, aborts) into the inbox, without
-        waiting, for the next iteration's receive; it returns False to end the run (the server stops),
-        which aborts what is left. With `first_tokens_first` the overlap loop handles a prefill step
-        before it launches the next one (overlap_loop says what that costs)."""
+        replies runs on its own stream."""
         self.trace, self.step = Trace(), 0
-        # >>> ch16: the time to first token
+        # >>> ch16: a server's `receive`, called after every iteration's replies, puts what arrived since
+        # (new requests, aborts) into the inbox, without waiting, for the next iteration's receive step;
+        # False ends the run (the server stops) and aborts what is left. `first_tokens_first`: the
+        # overlap loop handles a prefill before it launches the next step (overlap_loop says its price).
         self.first_tokens_first = first_tokens_first
         # <<< ch16
         # >>> ch06 replaces ch04: both loops, side by side
@@ -165,13 +164,11 @@ class Scheduler:
         """One iteration: schedule and launch step N+1, then wait for and handle step N (`last`).
 
         Launching first is what keeps the device busy: while it runs step N+1, the host handles
-        step N. Step N+1 was built without step N's tokens; they are on the device already (05).
-
-        From chapter 16, with first_tokens_first, an iteration that finds a prefill in flight only
-        waits for it and handles it: its requests' first tokens go out before step N+1 is launched,
-        not after (a CPU runs the step at its launch: a whole step sooner). The price: the device
-        idles while the host handles the prefill and launches the next step, once per prefill."""
-        # >>> ch16: the time to first token
+        step N. Step N+1 was built without step N's tokens; they are on the device already (05)."""
+        # >>> ch16: with first_tokens_first, an iteration that finds a prefill in flight only waits for it
+        # and handles it: its first tokens go out before the next launch, not after (a CPU runs a step
+        # at its launch: a whole step sooner). The price: the device idles while the host handles the
+        # prefill and launches the next step, once per prefill.
         if self.first_tokens_first and last is not None and last.batch.mode is ForwardMode.EXTEND:
             self.wait(last)
             return None, self.process(last)

@@ -66,10 +66,10 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        messages, req = parse_chat(parse_body(await request.body()), served.name)
         if served.chat.template is None:
             raise APIError(f"the model {served.name!r} has no chat template (its tokenizer_config.json has no "
                            "chat_template): use /v1/completions", param="messages", code="no_chat_template")
-        messages, req = parse_chat(parse_body(await request.body()), served.name)
         try:
             req.prompt = served.chat.render(messages)
         except ValueError as err:
@@ -84,7 +84,8 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
             return {"aborted": engine.abort_all()}
         rid = request_number(body.get("id")) if set(body) == {"id"} else None
         if rid is None:
-            raise APIError('the body must be {"id": "<a response id>"} or {"all": true}', param="id")
+            raise APIError('the body must be {"id": "<a response id>"} or {"all": true}', param="id",
+                           code="invalid_value")
         known = rid in engine.streams
         engine.abort(rid)
         return {"aborted": int(known)}
@@ -100,9 +101,10 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
     async def generate(request: Request, req: GenerateRequest, shape: Shape):
         try:
             ids = served.processor.encode(req.prompt)
-        except ValueError as err:
+        except ValueError as err:                # empty, outside the vocabulary, or too long for the context
+            too_long = "the context holds" in str(err)
             raise APIError(str(err), param="messages" if isinstance(shape, Chat) else "prompt",
-                           code="invalid_prompt") from None
+                           code="context_length_exceeded" if too_long else "invalid_prompt") from None
         params = sampling_params(req, len(ids), served.processor.max_seq_len)
         try:
             served.processor.make_request(ids, params)           # its stop tokens against the vocabulary

@@ -52,6 +52,8 @@ COMPLETION = {"prompt": ((str, list), None), "max_tokens": ((int, type(None)), 1
 CHAT = {"messages": ((list,), None), "max_tokens": ((int, type(None)), None),
         "max_completion_tokens": ((int, type(None)), None)} | SAMPLING
 ROLES = ("system", "user", "assistant")
+JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+              dict: "an object"}
 
 
 def parse_body(raw: bytes) -> dict:
@@ -60,7 +62,7 @@ def parse_body(raw: bytes) -> dict:
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        raise APIError(f"the request body must be a JSON object, got {json.dumps(body)[:40]}", code="invalid_type")
     return body
 
 
@@ -70,7 +72,7 @@ def checked_fields(body: dict, fields: dict, model: str) -> dict:
     check_model(body, model)
     for name, value in body.items():
         if name in UNSUPPORTED:
-            if not any(value == ok and type(value) is type(ok) for ok in UNSUPPORTED[name]):
+            if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in UNSUPPORTED[name]):
                 raise APIError(f"{name}={json.dumps(value)} is not supported by this server", param=name,
                                code="unsupported_parameter")
         elif name not in fields and name != "model":
@@ -84,7 +86,7 @@ def checked_fields(body: dict, fields: dict, model: str) -> dict:
                 raise APIError(f"{name} is required", param=name, code="missing_required_parameter")
             value = default
         elif not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            kinds = " or ".join(t.__name__ for t in types if t is not type(None))
+            kinds = " or ".join(JSON_NAMES[t] for t in types if t is not type(None))
             raise APIError(f"{name} must be {kinds}, got {json.dumps(value)}", param=name, code="invalid_type")
         out[name] = value
     return out
@@ -141,7 +143,8 @@ def chat_message(i: int, message: object) -> dict:
 def request(fields: dict, prompt: Prompt, max_tokens: int | None) -> GenerateRequest:
     options = fields["stream_options"] or {}
     if options and not fields["stream"]:
-        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options",
+                       code="invalid_value")
     if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
         raise APIError(f"stream_options must be {{\"include_usage\": true or false}}, got {json.dumps(options)}",
                        param="stream_options", code="invalid_value")
