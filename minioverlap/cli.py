@@ -172,7 +172,7 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     options = engine_options(args)
-    for name in ("cuda_graphs", "max_running"):
+    for name in ("cuda_graphs", "max_running", "dtype"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
@@ -230,6 +230,7 @@ def parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--loop", choices=("normal", "overlap"), help="the scheduler loop (default: the engine's)")
     serve_cmd.add_argument("--max-running", type=int, help="request slots: the most requests running at once "
                            "(default: the engine's); the others wait in the queue")
+    serve_cmd.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on a CPU, the checkpoint's on a GPU)")
     serve_cmd.add_argument("--first-tokens-first", action="store_true",
                            help="the overlap loop handles a prefill before the next launch: the first token "
                                 "sooner, the device idle once per prefill (chapter 16)")

@@ -28,9 +28,10 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        device = os.environ.get("MINIOVERLAP_TEST_DEVICE", "cpu")
+        device = os.environ.get("MINIOVERLAP_TEST_DEVICE", "cpu")     # on a GPU in fp32, as the suite's engines
+        on_device = ["--device", device] + (["--dtype", "float32"] if device != "cpu" else [])
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "minioverlap", "serve", "--port", str(self.port), "--device", device, *args],
+            [sys.executable, "-m", "minioverlap", "serve", "--port", str(self.port), *on_device, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
         self.wait_healthy(startup_s)
 

@@ -127,3 +127,17 @@ def test_an_abort_that_arrives_with_the_last_step_in_flight_ends_the_request_onc
     assert sum(len(r.token_ids) for r in replies if r.uid == b.uid) == 6
     llm.check_integrity()
     assert llm.runner.free_rows == llm.max_running and llm.runner.free_pages == llm.runner.usable_pages
+
+
+def test_a_server_s_run_keeps_only_the_last_events(monkeypatch):
+    """A server's run lasts its whole busy period: its trace keeps the last TRACE_EVENTS events (once it
+    holds twice that many), so that memory does not grow with the run. Tokens are unchanged."""
+    from minioverlap.scheduler import scheduler
+
+    monkeypatch.setattr(scheduler, "TRACE_EVENTS", 20)
+    llm = LLM("tiny", overlap=True)
+    [a] = llm.make_requests(["def fibonacci(n):"], SamplingParams(max_tokens=40, ignore_eos=True))
+    replies = run_with_arrivals(llm, [a], {})
+    assert 20 <= len(llm.trace) < 40 and llm.trace[-1].kind == "reply" and llm.trace[-1].step == 40
+    assert [t for r in replies for t in r.token_ids] == \
+        LLM("tiny").generate("def fibonacci(n):", SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids

@@ -50,6 +50,14 @@ class Trace(list):
 
     def record(self, kind: str, step: int, uids: tuple[int, ...] | list[int]) -> None:
         self.append(TraceEvent(kind, step, time.perf_counter_ns(), tuple(uids)))
+    # >>> ch16: a server's run may never end
+
+    def keep_last(self, n: int) -> None:
+        """Drop all but the last n events, and the GPU times of the steps they leave, once there are 2n."""
+        if len(self) >= 2 * n:
+            del self[:-n]
+            self.gpu = {step: span for step, span in self.gpu.items() if step >= self[0].step}
+    # <<< ch16
 
     def order(self, kinds: tuple[str, ...] = ("launch", "process")) -> list[str]:
         """The events of the given kinds as 'launch 1', 'handle 1', ... ('process' reads as 'handle')."""

@@ -47,6 +47,11 @@ class Reply:
     # <<< ch07
 
 
+# >>> ch16: a server's run lasts as long as its busy period, for ever under load: its trace keeps the last events
+TRACE_EVENTS = 100_000
+# <<< ch16
+
+
 class IntegrityError(RuntimeError):
     """A page, KV slot or request slot that is lost, or owned twice."""
 
@@ -131,6 +136,7 @@ class Scheduler:
             if receive is not None and not self.arrivals(receive):
                 self.abandon()
                 return
+            self.trace.keep_last(TRACE_EVENTS)
             # <<< ch16
         # <<< ch06
 

@@ -145,15 +145,13 @@ async def stream(engine: EngineClient, queue: asyncio.Queue, text: Detokenizer, 
             yield event(shape.chunk(None, None, first=True))
         while not finished:
             msg = await queue.get()
-            if isinstance(msg, EngineGone):
-                yield event(APIError(str(msg), type="server_error").body())
+            if isinstance(msg, EngineGone) or msg.finish_reason == "error":   # an error event ends the stream
+                yield event(APIError(str(msg) if isinstance(msg, EngineGone) else msg.error or "the request failed",
+                                     type="server_error").body())
                 break
             finished, tokens = msg.finished, tokens + len(msg.token_ids)
-            if msg.finish_reason == "error":
-                yield event(APIError(msg.error or "the request failed", type="server_error").body())
-                break
-            yield event(shape.chunk(text.add(msg.token_ids, last=msg.finished), msg.finish_reason if finished else None))
-        if include_usage:
+            yield event(shape.chunk(text.add(msg.token_ids, last=finished), msg.finish_reason if finished else None))
+        if include_usage and finished:
             yield event(shape.usage_chunk(tokens))
         yield "data: [DONE]\n\n"
     finally:
