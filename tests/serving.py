@@ -27,7 +27,8 @@ class Server:
     def __init__(self, *args: str, startup_s: float = 120.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         device = os.environ.get("MINIOVERLAP_TEST_DEVICE", "cpu")     # on a GPU in fp32, as the suite's engines
         on_device = ["--device", device] + (["--dtype", "float32"] if device != "cpu" else [])
         self.process = subprocess.Popen(

@@ -94,7 +94,7 @@ def run_engine(options: dict, inbox: Connection, outbox: Connection, first_token
     try:
         llm = LLM(**options)
     except Exception as err:                 # a bad option or checkpoint: the HTTP side prints it and exits
-        outbox.send(Failed(f"{type(err).__name__}: {err}"))
+        outbox.send(Failed(str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
         return
     outbox.send(Ready(llm.max_seq_len))
     EngineLoop(llm, inbox, outbox, first_tokens_first).serve()

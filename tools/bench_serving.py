@@ -1,0 +1,664 @@
+"""Chapter 16's serving benchmark: `minioverlap serve` under a stream of requests, as SGLang's bench_serving.
+
+    python tools/bench_serving.py                                      # normal and overlap, 64 requests at once
+    python tools/bench_serving.py --configs normal,overlap,normal+mtp2,overlap+mtp2 --request-rate 8
+    python tools/bench_serving.py --configs normal,overlap --num-requests 24 --request-rate 8 --json /tmp/bs.json
+    python tools/bench_serving.py --compare-ttft --configs normal,overlap,overlap+ftf --num-requests 10
+    python tools/bench_serving.py --shape 8b --device cuda --configs overlap,overlap+ftf --request-rate 16
+    python tools/bench_serving.py --url http://127.0.0.1:8000          # a server that is running already
+    python tools/bench_serving.py --report /tmp/bs.json                # no run: the table of a recorded one
+
+Each configuration of --configs is a server of its own: `normal`, `overlap`, `normal+mtp2`, `overlap+ftf`,
+`overlap+mtp2+ftf` mean `minioverlap serve --loop L [--mtp K] [--first-tokens-first]` (with --model,
+--device and --max-running), in that order of suffixes; `+ftf`, the overlap loop handling a prefill
+before it launches the next step so that the first token goes out sooner, is the overlap loop's alone (the
+normal loop handles every step before the next). A server is started on a free port of 127.0.0.1, waited
+for (GET /health), sent the workload, then checked (GET /integrity once it is idle: every page and slot
+free again), stopped with SIGTERM and required to exit with 0, leaving no process of its session behind.
+One configuration runs at a time, except with --compare-ttft. With --url the one server there is
+measured, and neither started nor stopped.
+
+The model is --model (default tiny, the shipped one), or with --shape 0.6b|8b a random-weight bf16 Qwen3
+checkpoint of that real shape: tools/bench.py's make_checkpoint, made once under --cache-dir and reused
+(bench.py builds it on a CUDA GPU; without one it is built the same way on the CPU here).
+
+The workload is drawn once from random.Random(--seed), the same for every configuration: --num-requests
+prompts, each asking for an output length drawn from --output-len with ignore_eos, greedy (temperature 0).
+For a model with a tokenizer.json a prompt is a passage of the book's own prose (chapters/*.md, HTML
+comments removed) that starts at a random word and is --input-len words long (a length drawn from the
+range); for one without (the random checkpoints of --shape) it is a list of --input-len token ids, each
+drawn from [10, vocab_size) of its config.json, which the server takes as `prompt` as it is. They arrive
+as a Poisson process of --request-rate requests/s (exponential gaps), or all at once (`inf`). With
+--compare-ttft they are sent one at a time, each when the one before has finished, so every time to first
+token is a lone request's; the servers of every configuration run together and take turns, request by
+request in a rotating order, so that a slow spell of a shared machine falls on all of them (a server's
+duration is then the sum of its requests' latencies, the time it was serving). Every request is a
+streamed POST /v1/completions (one httpx.AsyncClient), with stream_options.include_usage so that its last
+chunk counts its tokens. --warmup requests go first to each server, untimed.
+
+Per request, from the client's clock, on chunks, not on text: the server sends a chunk per engine step
+with that step's tokens (several with MTP), but its text may be empty, while a character is not complete
+yet, and always is for a checkpoint without tokenizer.json. So TTFT is the time from sending to the first
+chunk that carries a choice (a completion has no role chunk; the usage chunk has none); ITL the gaps
+between such chunks (a time per chunk: per step); end-to-end latency, from sending to the end of the
+stream; TPOT, (latency - TTFT) / (output tokens - 1), a time per token whatever a chunk carries. SGLang's
+bench_serving counts from the first chunk with non-empty text; on this server every such chunk (but an
+aborted request's last) carries at least one token, so the two agree except where text is held back. Per
+configuration: the duration (the first send to the last request's end), requests/s and output tokens/s
+over it, TTFT, TPOT, ITL and latency as mean, median and p99 (ITL over every gap of every request), output
+tokens per chunk (above 1 with MTP); and each configuration's median TTFT and output tokens/s against the
+first configuration's (with --compare-ttft also the median of the per-request ratios: request i ran on
+both servers back to back, so a slow spell cancels out). Every figure is a time measured in the run, or a
+ratio of two such. Below the table, the host's load average before and after each run: on a shared
+machine it says how far to trust the run (another program's work lengthens every time).
+
+--json FILE records the run in a form a chapter can quote: at the top "device", "model", "mode" ("rate
+R", "all at once" or "one at a time") and "results", one flat dict per configuration, in --configs'
+order: "config" (its name, as "overlap+ftf") and numbers, "req_s", "out_tok_s", "ttft_ms_mean",
+"ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99", "itl_ms_median", "itl_ms_p99",
+"e2e_ms_median", "tok_per_chunk", "completed", "requests" and a few more (durations, token counts); beside
+them "workload" (the arguments and every request drawn) and "runs", per configuration its server (command,
+exit code, integrity report, load) and every request's raw numbers ("per_request"). --report FILE prints
+the table from such a file again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = re.compile(r"^(?P<loop>normal|overlap)(?:\+mtp(?P<mtp>[1-9]\d*))?(?P<ftf>\+ftf)?$")
+SHIPPED = ROOT / "minioverlap" / "checkpoints"           # the shipped models by name, as the loader finds them
+DEFAULT_CACHE = "~/.cache/minioverlap-bench"         # --shape's checkpoints, kept for later runs
+
+
+# ---- the workload
+def book_words(root: Path = ROOT) -> list[str]:
+    """The words of the book's chapters, in order, without the HTML comments (snippet and figure markers)."""
+    text = "\n".join(p.read_text() for p in sorted((root / "chapters").glob("*.md")))
+    return re.sub(r"<!--.*?-->", " ", text, flags=re.S).split()
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int | None = None) -> list[dict]:
+    """--num-requests requests: a prompt of --input-len words (or, given the vocab_size of a model without
+    a tokenizer, --input-len token ids in [10, vocab_size)), an output length, an arrival time (s)."""
+    rng = random.Random(args.seed)
+    (in_lo, in_hi), (out_lo, out_hi) = args.input_len, args.output_len
+    words = book_words() if vocab_size is None else []
+    if vocab_size is None and len(words) <= in_hi:
+        raise SystemExit(f"the chapters hold {len(words)} words: fewer than --input-len's {in_hi}")
+    if vocab_size is not None and vocab_size <= 10:
+        raise SystemExit(f"the model's vocab_size is {vocab_size}: no token ids in [10, vocab_size) to draw")
+    work, arrival = [], 0.0
+    for i in range(args.num_requests):
+        n = rng.randint(in_lo, in_hi)
+        if vocab_size is None:
+            start = rng.randrange(len(words) - n)
+            prompt: str | list[int] = " ".join(words[start:start + n])
+        else:
+            prompt = [rng.randrange(10, vocab_size) for _ in range(n)]
+        if i and not args.compare_ttft and math.isfinite(args.request_rate):
+            arrival += rng.expovariate(args.request_rate)
+        work.append({"prompt": prompt, "input_len": n, "output_len": rng.randint(out_lo, out_hi),
+                     "arrival_s": round(arrival, 6)})
+    return work
+
+
+def checkpoint_dir(model: str) -> Path | None:
+    """The local checkpoint directory of a model's name ("tiny") or path, if there is one."""
+    shipped = SHIPPED / model
+    path = shipped if "/" not in model and (shipped / "config.json").is_file() else Path(model).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
+def token_id_vocab(model: str) -> int | None:
+    """The vocab_size of a local checkpoint without tokenizer.json (its prompts must be token ids); None
+    for one with a tokenizer, or a model that is not a local directory (text prompts)."""
+    path = checkpoint_dir(model)
+    if path is None or (path / "tokenizer.json").is_file():
+        return None
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+
+
+def shape_checkpoint(shape: str, cache_dir: Path) -> Path:
+    """tools/bench.py's random-weight checkpoint of `shape` under cache_dir: made by its make_checkpoint
+    (on a CUDA GPU), or found there from an earlier run. Without CUDA it is made here the same way on the
+    CPU (same config, seed and initialization; the CPU's random numbers are not CUDA's)."""
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "tools" / "bench.py")
+    bench_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_py)
+    torch = bench_py.torch
+    path = cache_dir / f"qwen3-{shape}-random"
+    if (path / "config.json").is_file() or torch.cuda.is_available():
+        return bench_py.make_checkpoint(shape, cache_dir)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    print(f"making {path} on the CPU (no CUDA GPU here)", file=sys.stderr, flush=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")          # renamed when complete: a killed run leaves no half
+    shutil.rmtree(partial, ignore_errors=True)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = Qwen3ForCausalLM(Qwen3Config(**bench_py.SHAPES[shape], **bench_py.COMMON))
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in model.parameters():                           # matrices N(0, 0.02), RMSNorm weights 1
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else p.fill_(1.0)
+    model.save_pretrained(partial)
+    partial.rename(path)
+    return path
+
+
+# ---- a server of our own
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`minioverlap serve --loop L [--mtp K] [--first-tokens-first]` on a free port of 127.0.0.1, its output
+    in a temporary file (a pipe nobody reads could fill and block it), in a session of its own so that a
+    hung one can be killed with everything it started."""
+
+    def __init__(self, config: dict, model: str, device: str, max_running: int | None = None,
+                 max_seq_len: int | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "minioverlap", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                    "--model", model, "--device", device, "--loop", config["loop"],
+                    *(["--mtp", str(config["mtp"])] if config["mtp"] else []),
+                    *(["--first-tokens-first"] if config["ftf"] else []),
+                    *(["--max-running", str(max_running)] if max_running else []),
+                    *(["--max-seq-len", str(max_seq_len)] if max_seq_len else [])]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                        start_new_session=True)
+
+    def output(self, tail: int = 3000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-tail:]
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"the server exited with {self.process.returncode} before it was healthy:\n"
+                                 f"$ {' '.join(self.cmd)}\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise SystemExit(f"the server did not answer /health within {timeout_s:.0f} s:\n{self.output()}")
+
+    def stop(self, timeout_s: float = 30.0) -> dict:
+        """SIGTERM, as a supervisor stops it. Its exit code (None: it did not exit within timeout_s and was
+        killed) and the processes of its session still there 10 s after it exited (the scheduler process
+        it started, say), which are then killed."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return {"exit_code": None, "left_behind": [], "output": self.output()}
+        deadline = time.monotonic() + 10.0
+        while (left := session_processes(self.process.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if left:
+            self.kill()
+        return {"exit_code": code, "left_behind": left, "output": self.output()}
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def session_processes(sid: int) -> list[str]:
+    """The command lines of the live processes in session `sid` (Linux's /proc; elsewhere none are seen)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()        # after the command's name, which may hold spaces
+            if int(fields[3]) == sid and fields[0] != "Z":             # field 6, the session id; not a zombie
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+# ---- the client
+async def one_request(client: httpx.AsyncClient, url: str, model: str, req: dict, t0: float) -> dict:
+    """One streamed completion, timed on the client's clock (perf_counter; start_s from t0)."""
+    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["output_len"], "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    out = {"start_s": None, "ttft_s": None, "itl_s": [], "latency_s": None, "prompt_tokens": None,
+           "output_tokens": None, "chunks": 0, "empty_chunks": 0, "finish_reason": None, "error": None}
+    sent = time.perf_counter()
+    out["start_s"] = sent - t0
+    last = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                out["error"] = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                now, chunk = time.perf_counter(), json.loads(data)
+                if "error" in chunk:
+                    out["error"] = chunk["error"].get("message", str(chunk["error"]))
+                    break
+                if chunk.get("usage"):
+                    out["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                    out["output_tokens"] = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if choices:                 # a step's tokens, its text maybe empty (held back, or no tokenizer)
+                    if last is None:
+                        out["ttft_s"] = now - sent
+                    else:
+                        out["itl_s"].append(now - last)
+                    last = now
+                    out["chunks"] += 1
+                    out["empty_chunks"] += not any(choice.get("text") for choice in choices)
+                for choice in choices:
+                    out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
+    except httpx.HTTPError as err:
+        out["error"] = f"{type(err).__name__}: {err}"
+        return out
+    out["latency_s"] = time.perf_counter() - sent
+    if out["error"] is None and (out["ttft_s"] is None or out["output_tokens"] is None):
+        out["error"] = "the stream ended without a chunk of tokens or without its usage chunk"
+    return out
+
+
+async def run_workload(targets: dict[str, tuple[str, str]], work: list[dict], turns: bool, warmup: int,
+                       advance) -> dict[str, tuple[list[dict], float]]:
+    """The workload on every target (name -> (url, model)), after `warmup` untimed requests to each; per
+    target its results and its duration (s). Without `turns`, one target: the requests at their arrival
+    times. With `turns`, one request at a time, taking turns: request i goes to every target in a rotated
+    order, each when the one before has finished, so that a slow spell of the machine falls on all of them;
+    a target's duration is then the sum of its latencies (the time it was serving)."""
+    limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        for url, model in targets.values():
+            for _ in range(warmup):
+                await one_request(client, url, model, work[0], time.perf_counter())
+        t0 = time.perf_counter()
+        if turns:
+            names, results = list(targets), {name: [] for name in targets}
+            for i, req in enumerate(work):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    results[name].append(await one_request(client, *targets[name], req, t0))
+                    advance(name)
+            return {name: (rs, sum(r["latency_s"] or 0.0 for r in rs)) for name, rs in results.items()}
+        (name, (url, model)), = targets.items()
+
+        async def at_arrival(req: dict) -> dict:
+            await asyncio.sleep(max(0.0, t0 + req["arrival_s"] - time.perf_counter()))
+            result = await one_request(client, url, model, req, t0)
+            advance(name)
+            return result
+        results = list(await asyncio.gather(*(at_arrival(req) for req in work)))
+    ends = [r["start_s"] + r["latency_s"] for r in results if r["latency_s"] is not None]
+    return {name: (results, max(ends) if ends else time.perf_counter() - t0)}
+
+
+def served_model(url: str) -> tuple[str, int | None]:
+    """The model a server serves (GET /v1/models) and its context."""
+    data = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"][0]
+    return data["id"], data.get("max_model_len")
+
+
+def integrity(url: str, timeout_s: float = 30.0) -> dict | None:
+    """The server's integrity report once it is idle (None if it has no /integrity or stays busy)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = httpx.get(f"{url}/integrity", timeout=30.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        report = response.json()
+        if report.get("idle") or time.monotonic() > deadline:
+            return report
+        time.sleep(0.1)
+
+
+# ---- the figures
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile, linear between the closest ranks (numpy's default)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def spread(name: str, values: list[float]) -> dict:
+    """{name}_ms_mean, _median and _p99 of values in seconds."""
+    ms = [v * 1e3 for v in values]
+    return {f"{name}_ms_mean": sum(ms) / len(ms) if ms else None, f"{name}_ms_median": percentile(ms, 50),
+            f"{name}_ms_p99": percentile(ms, 99)}
+
+
+def aggregate(name: str, results: list[dict], work: list[dict], duration_s: float) -> dict:
+    """A configuration's figures, flat: its name, then numbers (None where no request completed)."""
+    done = [r for r in results if r["error"] is None]
+    out_tokens = sum(r["output_tokens"] for r in done)
+    tpot = [(r["latency_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1]
+    chunks = sum(r["chunks"] for r in done)
+    return {
+        "config": name, "requests": len(results), "completed": len(done), "duration_s": duration_s,
+        "req_s": len(done) / duration_s, "out_tok_s": out_tokens / duration_s,
+        **spread("ttft", [r["ttft_s"] for r in done]), **spread("tpot", tpot),
+        **spread("itl", [g for r in done for g in r["itl_s"]]), **spread("e2e", [r["latency_s"] for r in done]),
+        "tok_per_chunk": out_tokens / chunks if chunks else None,
+        "input_tokens": sum(r["prompt_tokens"] for r in done), "output_tokens": out_tokens,
+        "requested_tokens": sum(w["output_len"] for w, r in zip(work, results) if r["error"] is None),
+        "concurrency": sum(r["latency_s"] for r in done) / duration_s,   # requests in flight, on average
+    }
+
+
+# ---- the configurations
+def bench_configs(args: argparse.Namespace, configs: list[dict], work: list[dict],
+                  progress) -> list[tuple[dict, dict]]:
+    """Start the servers of `configs` together (or take --url's), run the workload on them, check each is
+    clean (/integrity) and stop it; per configuration its figures and its run (server and raw numbers)."""
+    tasks = {c["name"]: progress.add_task(f"{c['name']}: starting", total=len(work)) for c in configs}
+    servers: dict[str, ServerProcess] = {}
+    stops: dict[str, dict] = {}
+    try:
+        if not args.url:
+            for c in configs:
+                servers[c["name"]] = ServerProcess(c, args.model, args.device, args.max_running, args.max_seq_len)
+            for server in servers.values():
+                server.wait_healthy(args.startup_timeout)
+        urls = {c["name"]: servers[c["name"]].url if servers else args.url.rstrip("/") for c in configs}
+        models = {name: served_model(url) for name, url in urls.items()}
+        for task in tasks.values():
+            progress.update(task, description=progress.tasks[task].description.replace("starting", "running"))
+        load_before = os.getloadavg()[0]
+        runs = asyncio.run(run_workload({name: (urls[name], models[name][0]) for name in urls}, work,
+                                        args.compare_ttft, args.warmup, lambda name: progress.advance(tasks[name])))
+        load_after = os.getloadavg()[0]
+        reports = {name: integrity(url) for name, url in urls.items()}
+    finally:
+        for name, server in servers.items():
+            stops[name] = server.stop()
+    records = []
+    for c in configs:
+        name = c["name"]
+        progress.update(tasks[name], description=f"{name}: done")
+        results, duration = runs[name]
+        stop = stops.get(name, {"exit_code": None, "left_behind": [], "output": ""})
+        record = {"config": name, "loop": c["loop"], "mtp": c["mtp"], "ftf": c["ftf"], "url": urls[name],
+                  "served_model": models[name][0], "max_model_len": models[name][1],
+                  "command": servers[name].cmd if servers else None, "exit_code": stop["exit_code"],
+                  "left_behind": stop["left_behind"], "integrity": reports[name],
+                  "loadavg": [load_before, load_after],          # the host's 1-minute load, before and after
+                  "per_request": results}
+        report = reports[name]
+        if servers and stop["exit_code"] is None:
+            record["problem"] = f"the server did not exit within 30 s of SIGTERM (killed):\n{stop['output']}"
+        elif stop["exit_code"] not in (None, 0):
+            record["problem"] = f"the server exited with {stop['exit_code']} after SIGTERM:\n{stop['output']}"
+        elif stop["left_behind"]:
+            record["problem"] = f"processes of the server still ran 10 s after it exited (killed): {stop['left_behind']}"
+        elif report is not None and (not report.get("idle") or report.get("problems")):
+            record["problem"] = f"the server is not clean after the run: {report}"
+        records.append((aggregate(name, results, work, duration), record))
+    return records
+
+
+def mode(args: argparse.Namespace) -> str:
+    if args.compare_ttft:
+        return "one at a time"
+    return f"rate {args.request_rate:g}" if math.isfinite(args.request_rate) else "all at once"
+
+
+def bench(args: argparse.Namespace) -> dict:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    if args.shape:
+        args.model = str(shape_checkpoint(args.shape, Path(args.cache_dir).expanduser()))
+    model = served_model(args.url.rstrip("/"))[0] if args.url else args.model
+    vocab = token_id_vocab(model)
+    work = make_workload(args, vocab)
+    configs = [{"name": args.url, "loop": None, "mtp": None, "ftf": None}] if args.url else args.configs
+    record = {"tool": "tools/bench_serving.py", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "argv": sys.argv[1:], "device": None if args.url else args.device,
+              "model": f"qwen3-{args.shape}-random" if args.shape else model, "mode": mode(args),
+              "results": [],
+              "workload": {"num_requests": args.num_requests, "shape": args.shape, "model_path": model,
+                           "request_rate": args.request_rate if math.isfinite(args.request_rate)
+                           and not args.compare_ttft else None,
+                           "prompts": "words of the chapters" if vocab is None else f"token ids in [10, {vocab})",
+                           "input_len": list(args.input_len), "input_unit": "words" if vocab is None else "tokens",
+                           "output_len": list(args.output_len), "seed": args.seed, "warmup": args.warmup,
+                           "max_running": args.max_running, "requests": work},
+              "host_cpus": os.cpu_count(), "runs": []}
+    columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        for group in [configs] if args.compare_ttft else [[c] for c in configs]:
+            for result, run in bench_configs(args, group, work, progress):
+                record["results"].append(result)
+                record["runs"].append(run)
+            if args.json:                                   # after each configuration: a crash keeps the rest
+                write(record, args.json)
+    return record
+
+
+def write(record: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+
+
+# ---- the table
+def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def report(record: dict) -> None:
+    """One row per configuration; then each one's median TTFT and output tokens/s against the first's."""
+    from rich.console import Console
+    from rich.table import Table
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    w, how = record["workload"], record["mode"]
+    how = f"Poisson, {how.split()[1]} req/s" if how.startswith("rate ") else how
+    where = f" ({record['model']} on {record['device']})" if record["device"] else f" ({record['model']})"
+    table = Table(title=f"minioverlap serve: {w['num_requests']} requests, {how}{where}",
+                  caption=f"prompts {w['input_len'][0]}..{w['input_len'][1]} {w['prompts']}, "
+                          f"{w['output_len'][0]}..{w['output_len'][1]} output tokens (ignore_eos), greedy, seed "
+                          f"{w['seed']}; ms; ITL per chunk (a step), TPOT per token")
+    columns = {"config": None, "done": None, "s": "duration_s", "req/s": "req_s", "out tok/s": "out_tok_s",
+               "TTFT mean": "ttft_ms_mean", "TTFT med": "ttft_ms_median", "TTFT p99": "ttft_ms_p99",
+               "TPOT med": "tpot_ms_median", "TPOT p99": "tpot_ms_p99", "ITL med": "itl_ms_median",
+               "ITL p99": "itl_ms_p99", "E2E med": "e2e_ms_median", "tok/chunk": "tok_per_chunk"}
+    specs = {"duration_s": ".2f", "req_s": ".2f", "tok_per_chunk": ".2f"}
+    for name in columns:
+        table.add_column(name, justify="left" if name == "config" else "right")
+    for r in record["results"]:
+        done = f"{r['completed']}/{r['requests']}"
+        table.add_row(r["config"], done if r["completed"] == r["requests"] else f"[red]{done}[/red]",
+                      *(fmt(r[key], specs.get(key, ".1f")) for key in list(columns.values())[2:]))
+    console.print(table)
+    first, first_run = record["results"][0], record["runs"][0]
+    for r, run in zip(record["results"][1:], record["runs"][1:]):
+        ttft = (r["ttft_ms_median"] / first["ttft_ms_median"]
+                if r["ttft_ms_median"] and first["ttft_ms_median"] else None)
+        tok = r["out_tok_s"] / first["out_tok_s"] if first["out_tok_s"] else None
+        paired = ""
+        if record["mode"] == "one at a time":       # request i ran on both back to back: compare it alone
+            ratios = [a["ttft_s"] / b["ttft_s"] for a, b in zip(run["per_request"], first_run["per_request"])
+                      if a["ttft_s"] and b["ttft_s"]]
+            paired = f" (request by request: median ratio {fmt(percentile(ratios, 50), '.2f', 'x')})"
+        console.print(f"{r['config']} against {first['config']}: median TTFT {fmt(ttft, '.2f', 'x')}{paired}, "
+                      f"output tok/s {fmt(tok, '.2f', 'x')}", highlight=False)
+    console.print(f"the host's load (1-minute average, {record['host_cpus']} CPUs) before and after: "
+                  + ", ".join(f"{run['config']} {run['loadavg'][0]:.1f}/{run['loadavg'][1]:.1f}"
+                              for run in record["runs"]), style="dim", highlight=False)
+    for run in record["runs"]:
+        name, per_request, work = run["config"], run["per_request"], w["requests"]
+        failed = [r["error"] for r in per_request if r["error"]]
+        if failed:
+            console.print(f"[red]{name}: {len(failed)} failed[/red], the first: {failed[0]}", highlight=False)
+        short = sum(1 for asked, r in zip(work, per_request)
+                    if r["error"] is None and r["output_tokens"] != asked["output_len"])
+        if short:
+            console.print(f"[red]{name}: {short} requests got another number of tokens than they asked for[/red]")
+        if run.get("problem"):
+            console.print(f"[red]{name}: {run['problem']}[/red]", highlight=False)
+
+
+# ---- the command line
+def token_range(text: str) -> tuple[int, int]:
+    """'8..64' -> (8, 64); '16' -> (16, 16)."""
+    lo, sep, hi = text.partition("..")
+    try:
+        pair = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        pair = (0, 0)
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"must be N or A..B with 1 <= A <= B, got {text!r}")
+    return pair
+
+
+def rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of requests/s > 0, or inf, got {text!r}")
+    return value
+
+
+def configs(text: str) -> list[dict]:
+    """'normal,overlap+mtp2+ftf' -> one dict per server: its name, loop, MTP drafts and --first-tokens-first."""
+    out = []
+    for name in (n.strip() for n in text.split(",")):
+        if (m := CONFIG.match(name)) is None:
+            raise argparse.ArgumentTypeError(f"{name!r} is not LOOP[+mtpK][+ftf] (LOOP: normal or overlap)")
+        if m["ftf"] and m["loop"] != "overlap":
+            raise argparse.ArgumentTypeError(f"{name!r}: +ftf (--first-tokens-first) is the overlap loop's; the "
+                                             "normal loop handles every step before it launches the next")
+        out.append({"name": name, "loop": m["loop"], "mtp": int(m["mtp"] or 0), "ftf": bool(m["ftf"])})
+    if len({c["name"] for c in out}) < len(out):
+        raise argparse.ArgumentTypeError(f"{text!r} names a configuration twice")
+    return out
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", type=configs, metavar="LIST",
+                        help="servers to compare, comma-separated: normal, overlap, normal+mtp2, overlap+ftf, "
+                             "overlap+mtp2+ftf, ... (default: normal,overlap)")
+    parser.add_argument("--url", help="measure the server running there instead (no --configs)")
+    parser.add_argument("--model", help="the model each started server serves: tiny (the default) or a checkpoint "
+                                        "directory; without tokenizer.json the prompts are token ids")
+    parser.add_argument("--shape", choices=("0.6b", "8b"),
+                        help="serve tools/bench.py's random-weight checkpoint of Qwen3-0.6B's or Qwen3-8B's shape "
+                             "(made once under --cache-dir); the prompts are token ids")
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE, metavar="DIR",
+                        help="where --shape's checkpoints are made and kept (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="where each started server runs it (default: %(default)s)")
+    parser.add_argument("--max-running", type=positive, metavar="N",
+                        help="each started server's request slots (serve --max-running; default: the engine's)")
+    parser.add_argument("--max-seq-len", type=positive, metavar="N",
+                        help="each started server's context (serve --max-seq-len; default: the model's): a real "
+                             "shape's full context for every slot is a large KV pool")
+    parser.add_argument("--num-requests", type=positive, default=64, help="requests (default: %(default)s)")
+    parser.add_argument("--request-rate", type=rate, default=math.inf, metavar="R",
+                        help="Poisson arrivals at R requests/s, or inf: all at once (default)")
+    parser.add_argument("--input-len", type=token_range, default=(8, 64), metavar="A..B",
+                        help="prompt length in words of the chapters' prose, or in tokens for a model "
+                             "without a tokenizer (default: 8..64)")
+    parser.add_argument("--output-len", type=token_range, default=(16, 64), metavar="A..B",
+                        help="output tokens per request (default: 16..64)")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's random.Random seed (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each run (default: %(default)s)")
+    parser.add_argument("--compare-ttft", action="store_true",
+                        help="send the requests one at a time: each TTFT is a lone request's (ignores --request-rate)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server has to answer /health")
+    parser.add_argument("--json", metavar="FILE", help="write the arguments, workload, figures and every request here")
+    parser.add_argument("--report", metavar="FILE", help="no run: print the table of a recorded --json FILE")
+    args = parser.parse_args(argv)
+    if args.url and args.configs:
+        parser.error("--url measures the server there: --configs starts servers of its own; give one of them")
+    if args.url and (args.shape or args.model or args.max_running or args.max_seq_len):
+        parser.error("--url measures the server there: --model, --shape, --max-running and --max-seq-len are for "
+                     "servers it starts")
+    if args.shape and args.model:
+        parser.error(f"--shape {args.shape} serves a checkpoint of its own: give --shape or --model, not both")
+    args.model = args.model or "tiny"
+    args.configs = args.configs or configs("normal,overlap")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report:
+        try:
+            record = json.loads(Path(args.report).read_text())
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"--report {args.report}: {err}") from None
+        if not isinstance(record, dict) or not {"results", "runs", "workload"} <= set(record):
+            raise SystemExit(f"--report {args.report}: not a record of this tool (no results, runs and workload)")
+    else:
+        record = bench(args)
+    report(record)
+    if args.json and not args.report:
+        print(f"wrote {args.json}")
+    failed = any(r["completed"] < r["requests"] for r in record["results"])
+    if (failed or any(run.get("problem") for run in record["runs"])) and not args.report:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
