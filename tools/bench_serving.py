@@ -483,8 +483,20 @@ def bench(args: argparse.Namespace) -> dict:
 
 
 def write(record: dict, path: str) -> None:
+    """The record on one line, every time to the microsecond (seconds to 6 decimals, ms to 3): a run of
+    hundreds of requests stays a few hundred kB."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    Path(path).write_text(json.dumps(rounded(record), separators=(",", ":")) + "\n")
+
+
+def rounded(value: object) -> object:
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
 
 
 # ---- the table
