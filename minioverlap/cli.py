@@ -175,7 +175,7 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     if args.first_tokens_first and args.loop == "normal":
         raise ValueError("--first-tokens-first changes the overlap loop; the normal loop handles every step before "
                          "the next launch already: drop one of --first-tokens-first and --loop normal")
-    for name in ("cuda_graphs", "max_running", "max_seq_len", "dtype"):
+    for name in ("cuda_graphs", "max_running", "max_seq_len", "num_pages", "dtype"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
@@ -235,6 +235,8 @@ def parser() -> argparse.ArgumentParser:
                            "(default: the engine's); the others wait in the queue")
     serve_cmd.add_argument("--max-seq-len", type=int, help="the most tokens of one request, prompt included "
                            "(default: the model's context); the KV pool has room for every slot's")
+    serve_cmd.add_argument("--num-pages", type=int, help="pages in the KV pool, page 0 included (default: room for "
+                           "every slot's full context)")
     serve_cmd.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on a CPU, the checkpoint's on a GPU)")
     serve_cmd.add_argument("--first-tokens-first", action="store_true",
                            help="the overlap loop handles a prefill before the next launch: the first token "

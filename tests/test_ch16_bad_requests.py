@@ -5,9 +5,8 @@ is wrong and the message naming the value or the limit. None of them reaches the
 report, the count of finished requests included, is the same after each, and a greedy request still
 gives the text it gave before them.
 
-Not tested here: a request too large for the page pool (the engine's Rejected, code
-"too_large_for_the_pool"). `minioverlap serve` sizes the pool for every slot's full context, so a
-request that passes the context check always fits, and the command has no option for a smaller pool.
+A request too large for the page pool (the scheduler's Rejected, code "too_large_for_the_pool") needs
+a server with a small pool: tests/test_ch16_serving.py starts one.
 """
 
 from __future__ import annotations

@@ -192,6 +192,24 @@ def test_chat_renders_the_template_and_streams(chat_model):
     assert code == 0, out
 
 
+def test_a_request_too_large_for_the_pool_is_refused_by_the_scheduler():
+    """The pool has 7 usable pages of 16 slots: a request that may need more is refused by the scheduler
+    process (the one place that knows the pool) with a 400 naming max_tokens; the server stays up."""
+    s = Server("--num-pages", "8")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.completions.create(model="tiny", prompt="def f(x):", max_tokens=200)
+        assert caught.value.body["param"] == "max_tokens" and caught.value.body["code"] == "too_large_for_the_pool"
+        assert "pages" in caught.value.body["message"]
+        assert c.completions.create(model="tiny", prompt="def f(x):", max_tokens=8).choices[0].finish_reason
+        report = s.wait_idle()
+        assert report["problems"] is None and report["free_pages"] == report["usable_pages"] == 7
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_both_processes_with_a_stream_in_flight(sig):
     """The stream in flight finishes, or ends with an error event if it outlasts the grace period (5 s);

@@ -115,10 +115,11 @@ class Scheduler:
         iteration runs inside the schedule stream (06), never across a yield: the caller's code between
         replies runs on its own stream."""
         self.trace, self.step = Trace(), 0
-        # >>> ch16: a server's `receive`, called after every iteration's replies, puts what arrived since
-        # (new requests, aborts) into the inbox, without waiting, for the next iteration's receive step;
-        # False ends the run (the server stops) and aborts what is left. `first_tokens_first`: the
-        # overlap loop handles a prefill before it launches the next step (overlap_loop says its price).
+        # >>> ch16: a server's arrivals, and the time to first token
+        # A server's `receive`, called after every iteration's replies, puts what arrived since (new
+        # requests, aborts) into the inbox, without waiting, for the next iteration's receive step; False
+        # ends the run (the server stops) and aborts what is left. `first_tokens_first`: the overlap
+        # loop handles a prefill before it launches the next step (overlap_loop says its price).
         self.first_tokens_first = first_tokens_first
         # <<< ch16
         # >>> ch06 replaces ch04: both loops, side by side
@@ -171,9 +172,10 @@ class Scheduler:
 
         Launching first is what keeps the device busy: while it runs step N+1, the host handles
         step N. Step N+1 was built without step N's tokens; they are on the device already (05)."""
-        # >>> ch16: with first_tokens_first, an iteration that finds a prefill in flight only waits for it
-        # and handles it: its first tokens go out before the next launch, not after (a CPU runs a step
-        # at its launch: a whole step sooner). The price: the device idles while the host handles the
+        # >>> ch16: the time to first token
+        # With first_tokens_first, an iteration that finds a prefill in flight only waits for it and
+        # handles it: its first tokens go out before the next launch, not after (a CPU runs a step at
+        # its launch: a whole step sooner). The price: the device idles while the host handles the
         # prefill and launches the next step, once per prefill.
         if self.first_tokens_first and last is not None and last.batch.mode is ForwardMode.EXTEND:
             self.wait(last)
