@@ -85,8 +85,9 @@ def copy_bandwidth(gib: int = 2, repeats: int = 9) -> float:
 
 
 def make_checkpoint(shape: str, cache_dir: Path) -> Path:
-    """A random-weight bf16 Qwen3 checkpoint of `shape`, built on the GPU and saved (once) under cache_dir;
-    for tiny, the checkpoint minioverlap ships."""
+    """A random-weight bf16 Qwen3 checkpoint of `shape`, built on the GPU (on the CPU where there is none:
+    the same config, seed and initialization, other random numbers) and saved (once) under cache_dir; for
+    tiny, the checkpoint minioverlap ships."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     if SHAPES[shape] is None:
         from minioverlap.model.loader import resolve_model_dir
@@ -101,7 +102,7 @@ def make_checkpoint(shape: str, cache_dir: Path) -> Path:
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], **COMMON))
     finally:
         torch.set_default_dtype(default)

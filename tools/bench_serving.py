@@ -20,7 +20,7 @@ measured, and neither started nor stopped.
 
 The model is --model (default tiny, the shipped one), or with --shape 0.6b|8b a random-weight bf16 Qwen3
 checkpoint of that real shape: tools/bench.py's make_checkpoint, made once under --cache-dir and reused
-(bench.py builds it on a CUDA GPU; without one it is built the same way on the CPU here).
+(bench.py builds it on a CUDA GPU, or on the CPU where there is none).
 
 The workload is drawn once from random.Random(--seed), the same for every configuration: --num-requests
 prompts, each asking for an output length drawn from --output-len with ignore_eos, greedy (temperature 0).
@@ -72,7 +72,6 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -139,33 +138,11 @@ def token_id_vocab(model: str) -> int | None:
 
 def shape_checkpoint(shape: str, cache_dir: Path) -> Path:
     """tools/bench.py's random-weight checkpoint of `shape` under cache_dir: made by its make_checkpoint
-    (on a CUDA GPU), or found there from an earlier run. Without CUDA it is made here the same way on the
-    CPU (same config, seed and initialization; the CPU's random numbers are not CUDA's)."""
+    (on a CUDA GPU, or on the CPU where there is none), or found there from an earlier run."""
     spec = importlib.util.spec_from_file_location("bench", ROOT / "tools" / "bench.py")
     bench_py = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_py)
-    torch = bench_py.torch
-    path = cache_dir / f"qwen3-{shape}-random"
-    if (path / "config.json").is_file() or torch.cuda.is_available():
-        return bench_py.make_checkpoint(shape, cache_dir)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    print(f"making {path} on the CPU (no CUDA GPU here)", file=sys.stderr, flush=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")          # renamed when complete: a killed run leaves no half
-    shutil.rmtree(partial, ignore_errors=True)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = Qwen3ForCausalLM(Qwen3Config(**bench_py.SHAPES[shape], **bench_py.COMMON))
-    finally:
-        torch.set_default_dtype(default)
-    with torch.no_grad():
-        for p in model.parameters():                           # matrices N(0, 0.02), RMSNorm weights 1
-            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else p.fill_(1.0)
-    model.save_pretrained(partial)
-    partial.rename(path)
-    return path
+    return bench_py.make_checkpoint(shape, cache_dir)
 
 
 # ---- a server of our own

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from minioverlap.processor import Processor
 from minioverlap.server.client import EngineClient, EngineGone, RequestRejected
 from minioverlap.server.engine import Tokens
-from minioverlap.server.protocol import APIError, GenerateRequest, parse_body, parse_chat, parse_completion, sampling_params
+from minioverlap.server.protocol import (APIError, GenerateRequest, invalid_value, parse_body, parse_chat,
+                                         parse_completion, sampling_params)
 from minioverlap.server.text import ChatTemplate, Detokenizer
 
 
@@ -112,7 +113,7 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
         except RequestRejected as err:
             raise APIError(str(err), param="max_tokens", code="too_large_for_the_pool") from None
         except ValueError as err:
-            raise APIError(str(err), param=str(err).split()[0], code="invalid_value") from None
+            raise invalid_value(err) from None
         except EngineGone as err:
             raise APIError(str(err), status=503, type="server_error") from None
         shape.rid, shape.prompt_tokens = rid, len(ids)

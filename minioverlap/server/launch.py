@@ -27,13 +27,13 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, grace: float
           log_level: str = "warning", first_tokens_first: bool = False) -> None:
     """Run the server until SIGINT or SIGTERM. `options` are LLM's (EngineArgs' fields): checked here
     first, so that a bad one is a ValueError before any process starts."""
-    EngineArgs(**options)
-    model_dir = resolve_model_dir(options.get("model", "tiny"))
+    model = EngineArgs(**options).model
+    model_dir = resolve_model_dir(model)
     engine, process = start_engine(options, first_tokens_first)
     try:
         ready = engine.wait_ready()
         processor = Processor(load_tokenizer(model_dir), model_dir, load_config(model_dir), ready.max_seq_len)
-        served = Served(str(options.get("model", "tiny")), processor, ChatTemplate(model_dir))
+        served = Served(str(model), processor, ChatTemplate(model_dir))
         print(f"minioverlap: serving {served.name} on http://{host}:{port}", flush=True)
         config = uvicorn.Config(create_app(engine, served), host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=grace + 5)

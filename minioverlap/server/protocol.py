@@ -159,7 +159,7 @@ def request(fields: dict, prompt: Prompt, max_tokens: int | None) -> GenerateReq
 def sampling_params(req: GenerateRequest, prompt_len: int, max_seq_len: int) -> SamplingParams:
     """The request's SamplingParams: max_tokens checked against the context left after the prompt (the
     engine would stop there with "length"; a server says so before it starts). SamplingParams' own
-    errors name their field: they become a 400 on it."""
+    errors name their field: they become a 400 on it (invalid_value)."""
     room = max_seq_len - prompt_len
     if req.max_tokens is not None and req.max_tokens > room:
         raise APIError(f"max_tokens is {req.max_tokens}, but the context holds {max_seq_len} tokens and the prompt "
@@ -167,4 +167,9 @@ def sampling_params(req: GenerateRequest, prompt_len: int, max_seq_len: int) -> 
     try:
         return SamplingParams(max_tokens=room if req.max_tokens is None else req.max_tokens, **req.params)
     except ValueError as err:
-        raise APIError(str(err), param=str(err).split()[0], code="invalid_value") from None
+        raise invalid_value(err) from None
+
+
+def invalid_value(err: ValueError) -> APIError:
+    """The engine's own errors (SamplingParams', the Processor's) begin with the field they name."""
+    return APIError(str(err), param=str(err).split()[0], code="invalid_value")
