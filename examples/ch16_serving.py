@@ -72,7 +72,7 @@ def main() -> None:
         while not (report := httpx.get(f"{url}/integrity", timeout=30).json())["idle"]:
             time.sleep(0.1)
         print(f"\nintegrity: problems={report['problems']}, free pages {report['free_pages']}/{report['usable_pages']}, "
-              f"free slots {report['free_rows']}/{report['max_running']}, finishes {json.dumps(report['finishes'])}")
+              f"free slots {report['free_rows']}/{report['max_running']}, finishes {json.dumps(report['finishes'], sort_keys=True)}")
         fresh = LLM("tiny").generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=24))
         same = [results[0][0], results[2][0]] == [o.text for o in fresh]
         print(f"the two that finished equal a fresh LLM.generate: {same}")
