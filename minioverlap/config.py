@@ -6,6 +6,9 @@ shared tables are a small config of their own, given to the runner and the sched
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+# >>> ch15: is Triton installed
+import importlib.util
+# <<< ch15
 
 import torch
 
@@ -42,6 +45,9 @@ class EngineArgs:
     # >>> ch13: CUDA graphs
     cuda_graphs: bool | None = None           # the decode (or verify) step as graph replays; None: on for CUDA, off for CPU
     # <<< ch13
+    # >>> ch15: the fast path
+    kernels: bool | None = None               # fused kernels and Triton attention; None: on for CUDA, off for CPU
+    # <<< ch15
 
     def __post_init__(self) -> None:
         """Check every option as it is given, each chapter's by its own rules (CHECKS, at the end of
@@ -129,6 +135,22 @@ def check_cuda_graphs(args: EngineArgs) -> None:
 def use_cuda_graphs(args: EngineArgs) -> bool:
     return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda")
 # <<< ch13
+# >>> ch15: the fast path
+
+
+def check_kernels(args: EngineArgs) -> None:
+    """kernels: None (on for CUDA, off for CPU), True or False. True on a CPU runs the kernels in
+    Triton's interpreter: the same kernels, slowly (how the tests check them without a GPU)."""
+    if args.kernels is not None:
+        check_bool("kernels", args.kernels)
+    if use_kernels(args) and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"kernels={args.kernels} on device={args.device!r} needs the triton package, which is not "
+                         "installed (pip install triton, on Linux), or pass kernels=False")
+
+
+def use_kernels(args: EngineArgs) -> bool:
+    return args.kernels if args.kernels is not None else str(args.device).startswith("cuda")
+# <<< ch15
 
 
 CHECKS = [
@@ -145,4 +167,7 @@ CHECKS = [
     # >>> ch13: CUDA graphs
     check_cuda_graphs,
     # <<< ch13
+    # >>> ch15: the fast path
+    check_kernels,
+    # <<< ch15
 ]

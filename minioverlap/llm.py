@@ -42,6 +42,9 @@ from minioverlap.device.hazard import HazardChecker
 from minioverlap.engine.speculative import SpecRunner
 from minioverlap.model.mtp import load_mtp
 # <<< ch09
+# >>> ch15: the fast path
+from minioverlap.config import use_kernels
+# <<< ch15
 
 class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
@@ -54,6 +57,11 @@ class LLM:
         self.device = _check_device(self.args.device)
         self.dtype = _resolve_dtype(self.args.dtype, self.device, self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device)
+        # >>> ch15: the fast path (kernels=None: on for CUDA, off for CPU)
+        if use_kernels(self.args):
+            from minioverlap.model.fused import enable_kernels          # Triton: only on the fast path
+            enable_kernels(self.model)
+        # <<< ch15
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_seq_len = _check_max_seq_len(self.args.max_seq_len, self.config.max_position_embeddings)

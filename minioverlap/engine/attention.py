@@ -28,6 +28,12 @@ class PagedAttention:
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_pool.store(layer_id, self.batch.out_cache_loc, k, v)
+        # >>> ch15: the fast path: a decode step or a verify window in the Triton kernels (a prefill stays here)
+        if self.kv_pool.kernels and self.batch.mode is not ForwardMode.EXTEND:
+            from minioverlap.kernels.attention import paged_attention      # Triton: only on the fast path
+            return paged_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_table, None,
+                                   self.batch.positions, window=len(q) // len(self.page_table))
+        # <<< ch15
         if self.batch.mode is ForwardMode.DECODE:
             return decode_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_table,
                                     self.batch.seq_lens)

@@ -63,7 +63,10 @@ class SpecRunner(ModelRunner):
         self.mtp, self.mtp_steps = mtp, mtp_steps
         super().__init__(model, max_seq_len=max_seq_len + window_slack(mtp_steps), **sizes)
         k = self.kv_pool.k[0]
-        self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device)
+        # >>> ch15 replaces ch09: the drafter's attention takes the fast path with the target's
+        #| self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device)
+        self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device, self.kv_pool.kernels)
+        # <<< ch15
         # >>> ch10: the relay, one row per request slot
         self.relay = Relay(self.tables.req_to_token.shape[0], mtp.eh_proj.out_features, k.dtype, self.device,
                            self.hazards)

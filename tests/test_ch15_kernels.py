@@ -1,0 +1,207 @@
+"""Chapter 15: every kernel of the fast path equals the PyTorch code it replaces, on ragged batches,
+pages of 1 and 16 tokens, GQA ratios 1/2/4 and verify windows of 1..k+1 rows; then the engine's greedy
+tokens on the fast path equal the reference path's, in both loops, with MTP on and off.
+
+Without a GPU the kernels run in Triton's interpreter (minioverlap/kernels/__init__.py); with
+MINIOVERLAP_TEST_DEVICE=cuda they run compiled on the GPU. Tolerances: fp32, 2e-5 (the same arithmetic
+in another order); bf16, 2 roundings of the largest value (the kernels round once where the reference
+rounds after every operation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, random_checkpoint
+from minioverlap import LLM, SamplingParams
+from minioverlap.engine.attention import window_attention
+from minioverlap.kernels.attention import paged_attention
+from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
+from minioverlap.kernels.kv_store import store_kv
+from minioverlap.model.fused import merge_projections
+from minioverlap.model.qwen3 import Attention, MLP, Qwen3Config, RMSNorm, apply_rope, rope_cos_sin
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to the reference within the stated tolerance of its dtype."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = max(1.0, want.abs().max().item())
+    atol = 2e-5 * scale if want.dtype == torch.float32 else 2 * 2 ** -7 * scale
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= atol, f"max error {err:.3g} > {atol:.3g}"
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
+
+
+# ---- the KV store
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads,head_dim", [(1, 16), (2, 64), (4, 32)])
+def test_the_kv_store_writes_each_token_at_its_slot_and_nothing_else(dtype, kv_heads, head_dim):
+    slots, T = 40, 7
+    loc = torch.tensor([3, 39, 0, 17, 16, 8, 25], device=DEVICE)
+    qkv = randn(T, 5 * kv_heads * head_dim, dtype=dtype)                 # k and v as views of a wider row
+    k = qkv[:, :kv_heads * head_dim].view(T, kv_heads, head_dim)
+    v = qkv[:, 3 * kv_heads * head_dim:4 * kv_heads * head_dim].view(T, kv_heads, head_dim)
+    k_pool, v_pool = randn(slots, kv_heads, head_dim, dtype=dtype, seed=1), randn(slots, kv_heads, head_dim, dtype=dtype, seed=2)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref[loc], v_ref[loc] = k, v
+    store_kv(k_pool, v_pool, loc, k, v)
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)     # a copy: bit for bit
+
+
+# ---- paged attention, split over the context
+
+
+def paged_case(lens: list[int], window: int, kv_heads: int, group: int, head_dim: int, page_size: int,
+               dtype: torch.dtype, seed: int = 0):
+    """Requests whose windows end at lens[b] + window - 1, their slots scattered over a pool in pages of
+    page_size, the page table's slots past each request's end stale (pointing at live slots of others)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = 2 * -(-(max(lens) + window) // page_size)              # half of them used by each request
+    slots = pages * page_size
+    width = max(lens) + window + 5
+    table = torch.randint(0, slots, (len(lens), width), generator=g, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        order, pos = torch.randperm(pages, generator=g), torch.arange(n + window)
+        table[b, :n + window] = (order[pos // page_size] * page_size + pos % page_size).int()
+    positions = torch.cat([torch.arange(n, n + window) for n in lens])
+    q = randn(len(lens) * window, kv_heads * group, head_dim, dtype=dtype, seed=seed + 1)
+    k_pool = randn(slots, kv_heads, head_dim, dtype=dtype, seed=seed + 2)
+    v_pool = randn(slots, kv_heads, head_dim, dtype=dtype, seed=seed + 3)
+    return q, k_pool, v_pool, table.to(DEVICE), positions.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_paged_attention_equals_the_reference(dtype, page_size, group, window):
+    """Ragged lengths: a first token (0), one short of a block, across blocks, across every split."""
+    q, k_pool, v_pool, table, positions = paged_case([0, 31, 70, 130], window, 2, group, 32, page_size, dtype)
+    want = window_attention(q, k_pool, v_pool, table, positions)
+    for splits in (1, 4):
+        close(paged_attention(q, k_pool, v_pool, table, None, positions, window, splits=splits), want)
+
+
+@pytest.mark.parametrize("splits", [2, 8, 16])
+def test_splits_past_a_short_request_weigh_nothing(splits):
+    """More splits than a request has blocks: the empty ones have lse = -inf and must not count."""
+    q, k_pool, v_pool, table, positions = paged_case([3, 40], 1, 2, 2, 16, 16, torch.float32)
+    want = window_attention(q, k_pool, v_pool, table, positions)
+    close(paged_attention(q, k_pool, v_pool, table, None, positions, 1, splits=splits), want)
+
+
+def test_paged_attention_reads_the_rows_it_is_given():
+    """req_to_token itself, each request at its own row (rows given), equals the step's copy of the rows."""
+    q, k_pool, v_pool, table, positions = paged_case([12, 50, 33], 3, 2, 2, 16, 16, torch.float32)
+    req_to_token = torch.zeros(6, table.shape[1], dtype=table.dtype, device=DEVICE)
+    rows = torch.tensor([4, 1, 2], device=DEVICE)
+    req_to_token[rows] = table
+    want = window_attention(q, k_pool, v_pool, table, positions)
+    close(paged_attention(q, k_pool, v_pool, req_to_token, rows, positions, 3, splits=2), want)
+
+
+# ---- the elementwise groups
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 100])
+def test_add_rms_norm_equals_the_add_then_the_norm(dtype, hidden):
+    norm = RMSNorm(hidden, 1e-6).to(device=DEVICE, dtype=dtype)
+    norm.weight.data = randn(hidden, dtype=dtype, seed=5)
+    x, residual = randn(5, hidden, dtype=dtype, seed=1), randn(5, hidden, dtype=dtype, seed=2)
+    want_residual = x + residual
+    out, stream = add_rms_norm(x, residual.clone(), norm.weight, norm.eps)
+    close(stream, want_residual)
+    close(out, norm(want_residual))
+    first, stream = add_rms_norm(x, None, norm.weight, norm.eps)          # the first layer: x is the stream
+    assert stream is x
+    close(first, norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 2, 64), (32, 8, 128)])
+def test_qk_norm_rope_equals_the_norms_then_the_rotation(dtype, heads, kv_heads, head_dim):
+    config = Qwen3Config(hidden_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    attn = Attention(config, 0).to(device=DEVICE, dtype=dtype)
+    attn.q_norm.weight.data, attn.k_norm.weight.data = randn(head_dim, dtype=dtype, seed=3), randn(head_dim, dtype=dtype, seed=4)
+    T = 5
+    qkv = randn(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.tensor([0, 7, 8, 300, 1000], device=DEVICE)
+    cos, sin = rope_cos_sin(positions, head_dim, 1e6)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    want_q = apply_rope(attn.q_norm(q_ref.reshape(T, heads, head_dim)), cos.to(dtype), sin.to(dtype))
+    want_k = apply_rope(attn.k_norm(k_ref.reshape(T, kv_heads, head_dim)), cos.to(dtype), sin.to(dtype))
+    weight = torch.stack([attn.q_norm.weight, attn.k_norm.weight])
+    q, k, v = qk_norm_rope(qkv, weight, cos, sin, heads, kv_heads, attn.q_norm.eps)
+    close(q, want_q)
+    close(k, want_k)
+    assert torch.equal(v, v_ref.reshape(T, kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [48, 1500])
+def test_silu_mul_equals_silu_of_gate_times_up(dtype, width):
+    gate_up = randn(3, 2 * width, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=1)
+    close(silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_merged_projections_share_the_reference_weights():
+    """After the merge, q/k/v and gate/up are views of the merged weight: nothing is stored twice, and
+    the merged product's slices are the separate products."""
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96)
+    attn, mlp = Attention(config, 0), MLP(config)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.gate_proj(x), mlp.up_proj(x)]
+        merge_projections(torch.nn.ModuleList([attn, mlp]))
+        qkv, gate_up = F.linear(x, attn.qkv_weight), F.linear(x, mlp.gate_up_weight)
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
+    for got, ref in zip([*qkv.split([64, 32, 32], dim=1), *gate_up.chunk(2, dim=1)], want):
+        torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(attn.q_proj(x), want[0])
+
+
+# ---- the engine on the fast path
+
+
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mtp_steps", [0, 2])
+def test_the_fast_path_tokens_equal_the_reference(overlap, mtp_steps):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine = dict(model="tiny", overlap=overlap, mtp_steps=mtp_steps, page_size=4)
+    ref = LLM(**engine, kernels=False)
+    fast = LLM(**engine, kernels=True)
+    assert fast.model.kernels and fast.runner.kv_pool.kernels and not ref.runner.kv_pool.kernels
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == [o.token_ids for o in ref.generate(PROMPTS, params)]
+    fast.check_integrity()
+
+
+@pytest.mark.parametrize("shape", [dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32),
+                                   dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=96)])
+def test_the_fast_path_tokens_equal_the_reference_on_unseen_checkpoints(tmp_path, shape):
+    """GQA ratios 1 and 4, other widths: shapes the tiny model does not have."""
+    path = random_checkpoint(tmp_path / "ckpt", seed=3, **shape)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3], list(range(10, 40))]
+    want = [o.token_ids for o in LLM(model=str(path), kernels=False).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(model=str(path), kernels=True).generate(prompts, params)] == want
+
+
+def test_bad_kernels_flags_are_refused():
+    for value in (1, "yes"):
+        with pytest.raises(ValueError, match=rf"kernels must be True or False, got {value!r}"):
+            LLM(model="tiny", kernels=value)
