@@ -49,7 +49,9 @@ from pathlib import Path
 import torch
 
 SYSTEMS = ("hf-eager", "hf-compile", "normal-eager", "overlap-eager", "normal-graphs", "overlap-graphs",
-           "normal-graphs-mtp", "overlap-graphs-mtp")
+           "normal-graphs-mtp", "overlap-graphs-mtp",
+           "normal-kernels", "overlap-kernels", "normal-kernels-mtp", "overlap-kernels-mtp")
+DATASHEET_BPS = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}   # HBM bytes/s by the device's name (SXM parts)
 COMMON = dict(head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
               rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=151643, eos_token_id=151645)
 SHAPES = {   # Qwen3-0.6B and Qwen3-8B; tiny is the shipped checkpoint
@@ -168,13 +170,14 @@ def hf_system(model, prompts: list[list[int]], tokens: int, compiled: bool):
 
 
 def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: int, mtp: int):
-    """An engine of one loop (normal/overlap), eager or with CUDA graphs, drafting `mtp` tokens a step when
-    the name ends in -mtp; probe: (median GPU gap, CPU ms/step, tokens per pass or None)."""
+    """An engine of one loop (normal/overlap), eager, with CUDA graphs of the reference path, or with graphs
+    of the fast path (chapter 15's kernels), drafting `mtp` tokens a step when the name ends in -mtp;
+    probe: (median GPU gap, CPU ms/step, tokens per pass or None)."""
     from minioverlap import LLM, SamplingParams
     loop, mode, *spec = name.split("-")
     k = mtp if spec else 0
-    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", overlap=loop == "overlap", cuda_graphs=mode == "graphs",
-              max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16, mtp_steps=k)
+    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", overlap=loop == "overlap", cuda_graphs=mode != "eager",
+              kernels=mode == "kernels", max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16, mtp_steps=k)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     outs = []
 
@@ -193,15 +196,16 @@ def one_engine(shape: str, path: Path, prompt: int, tokens: int, **options):
     """A minioverlap engine at batch 1 with graphs on, its prompt and its sampling parameters."""
     from minioverlap import LLM, SamplingParams
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_running=1,
-              max_seq_len=prompt + tokens + 16, **options)
+              max_seq_len=prompt + tokens + 16, **{"kernels": False, **options})
     return llm, make_prompts(shape, path, 1, prompt), SamplingParams(max_tokens=tokens, ignore_eos=True)
 
 
-def profile_step(shape: str, path: Path, prompt: int, tokens: int = 64, top: int = 8) -> dict:
+def profile_step(shape: str, path: Path, prompt: int, tokens: int = 64, top: int = 8, kernels: bool = False) -> dict:
     """The GPU kernels of a graphed decode step at batch 1 (normal loop, the prefill's share spread over
-    `tokens` steps): kernels per step, their GPU time per step, and the `top` costliest names."""
+    `tokens` steps), on the reference path or the fast path: kernels per step, their GPU time per step,
+    and the `top` costliest names."""
     from torch.profiler import ProfilerActivity, profile
-    llm, prompts, params = one_engine(shape, path, prompt, tokens, overlap=False)
+    llm, prompts, params = one_engine(shape, path, prompt, tokens, overlap=False, kernels=kernels)
     llm.generate(prompts, params)                                        # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params)
@@ -255,13 +259,21 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def datasheet_bps(device: str) -> float | None:
+    """The HBM bandwidth of the device's datasheet, if DATASHEET_BPS knows it."""
+    return next((bps for name, bps in DATASHEET_BPS.items() if name in device), None)
+
+
 def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, weight_bytes: int, bw: float,
-        mtp: int) -> dict:
+        mtp: int, datasheet: float | None = None) -> dict:
+    """hbm_ms: the weight bytes over the copy bandwidth measured in the run; bound_ms: over the datasheet's."""
     wall = statistics.median(s[0] for s in samples)
     ms_step, hbm_ms = wall / tokens * 1e3, weight_bytes / bw * 1e3
+    bound_ms = weight_bytes / datasheet * 1e3 if datasheet else None
     gap, cpu, accept = (median_or_none([s[i] for s in samples]) for i in (1, 2, 3))
     return {"shape": shape, "batch": batch, "system": system, "tok_s": round(batch * tokens / wall, 1),
             "ms_step": round(ms_step, 4), "hbm_ms": round(hbm_ms, 6), "x_hbm": round(ms_step / hbm_ms, 3),
+            "bound_ms": rounded(bound_ms, 6), "x_bound": rounded(bound_ms and ms_step / bound_ms, 3),
             "gap_ms": rounded(gap), "cpu_ms": rounded(cpu), "weights_GB": round(weight_bytes / 1e9, 3),
             **({"mtp": mtp, "accept": rounded(accept, 3)} if system.endswith("-mtp") else {})}
 
@@ -312,7 +324,8 @@ def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
             samples = race(systems, args.repeats)
             del systems
             free()
-            rows = [row(shape, batch, s, samples[s], args.tokens, weight_bytes, bw, args.mtp) for s in names]
+            rows = [row(shape, batch, s, samples[s], args.tokens, weight_bytes, bw, args.mtp,
+                        datasheet_bps(header["device"])) for s in names]
             record = merge(record, {**header, "results": rows})
             out.write_text(json.dumps(record, indent=1) + "\n")
             print(f"{shape} batch {batch}: {time.perf_counter() - begin:.0f} s", flush=True)
@@ -320,6 +333,7 @@ def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
         free()
         if args.profile:
             record.setdefault("profile", {})[shape] = profile_step(shape, path, args.prompt)
+            record.setdefault("profile_kernels", {})[shape] = profile_step(shape, path, args.prompt, kernels=True)
             out.write_text(json.dumps(record, indent=1) + "\n")
         if args.chrome:
             chrome(shape, path, args.prompt, 32, Path(args.chrome))
@@ -344,12 +358,15 @@ def report(record: dict) -> None:
     for shape in dict.fromkeys(r["shape"] for r in results):
         rows = [r for r in results if r["shape"] == shape]
         weights = "trained weights (the shipped model)" if shape == "tiny" else "random weights"
+        bound = f", datasheet bound {rows[0]['bound_ms']:.3f}" if rows[0].get("bound_ms") else ""
         table = Table(title=f"Qwen3-{shape} shape, {weights}, bf16: {rows[0]['weights_GB']:.2f} GB read per step, "
-                            f"HBM bound {rows[0]['hbm_ms']:.3f} ms/step",
+                            f"HBM bound {rows[0]['hbm_ms']:.3f} ms/step (copy bandwidth){bound}",
                       caption=f"{record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
                               f"copy {record['copy_GBps']:.0f} GB/s; {record['prompt']}-token prompts, "
                               f"{record['tokens']} new tokens each; medians")
-        columns = ["batch", "system", "tok/s", "ms/token", "x HBM", "x hf-compile", "GPU gap ms", "CPU ms/step"]
+        datasheet = any(r.get("x_bound") for r in rows)
+        columns = ["batch", "system", "tok/s", "ms/token", "x HBM"] + ["x datasheet"] * datasheet + [
+            "x hf-compile", "GPU gap ms", "CPU ms/step"]
         mtp = any("accept" in r for r in rows)
         for name in columns + ["tok/pass"] * mtp:
             table.add_column(name, justify="left" if name == "system" else "right")
@@ -358,15 +375,17 @@ def report(record: dict) -> None:
             last = i + 1 == len(rows) or rows[i + 1]["batch"] != r["batch"]
             system = f"{r['system']} k={r['mtp']}" if "mtp" in r else r["system"]
             cells = [str(r["batch"]), system, f"{r['tok_s']:.0f}", f"{r['ms_step']:.2f}", f"{r['x_hbm']:.2f}",
+                     *[fmt(r.get("x_bound"), ".2f")] * datasheet,
                      fmt(ratio, ".2f", "x"), fmt(r["gap_ms"], ".3f"), fmt(r["cpu_ms"], ".3f")]
             table.add_row(*cells, *[fmt(r.get("accept"), ".2f")] * mtp, end_section=last)
         console.print(table)
-        if shape in record.get("profile", {}):
-            prof = record["profile"][shape]
-            console.print(f"a graphed decode step at batch 1: {prof['kernels_per_step']:.0f} kernels, "
-                          f"{prof['gpu_ms_per_step']:.3f} ms of GPU time; the costliest:")
-            for k in prof["top"]:
-                console.print(f"  {k['ms_per_step']:7.3f} ms  {k['per_step']:5.0f} x  {k['name']}")
+        for key, path in (("profile", "the reference path"), ("profile_kernels", "the fast path")):
+            if shape in record.get(key, {}):
+                prof = record[key][shape]
+                console.print(f"a graphed decode step at batch 1, {path}: {prof['kernels_per_step']:.0f} kernels, "
+                              f"{prof['gpu_ms_per_step']:.3f} ms of GPU time; the costliest:")
+                for k in prof["top"]:
+                    console.print(f"  {k['ms_per_step']:7.3f} ms  {k['per_step']:5.0f} x  {k['name']}")
 
 
 def plot(record: dict, path: Path) -> None:

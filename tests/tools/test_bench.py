@@ -83,13 +83,17 @@ def test_rows_from_hand_made_samples_have_the_hand_computed_bound_ratios_and_tok
         "overlap-graphs-mtp": [(0.128, 0.02, 0.9, 2.5), (0.2, 0.02, 1.1, 3.0), (0.1, 0.02, 1.0, 2.0)],
     }
     rows = {name: bench.row("0.6b", 4, name, s, tokens, weight_bytes, bw, 3) for name, s in samples.items()}
-    common = {"shape": "0.6b", "batch": 4, "hbm_ms": 0.5, "weights_GB": 1.5}
+    common = {"shape": "0.6b", "batch": 4, "hbm_ms": 0.5, "weights_GB": 1.5, "bound_ms": None, "x_bound": None}
     assert rows["hf-compile"] == {**common, "system": "hf-compile", "tok_s": 1000.0, "ms_step": 4.0, "x_hbm": 8.0,
                                   "gap_ms": None, "cpu_ms": None}
     assert rows["overlap-graphs"] == {**common, "system": "overlap-graphs", "tok_s": 2000.0, "ms_step": 2.0,
                                       "x_hbm": 4.0, "gap_ms": 0.02, "cpu_ms": 0.6}
     assert rows["overlap-graphs-mtp"] == {**common, "system": "overlap-graphs-mtp", "tok_s": 4000.0, "ms_step": 1.0,
                                           "x_hbm": 2.0, "gap_ms": 0.02, "cpu_ms": 1.0, "mtp": 3, "accept": 2.5}
+    # the datasheet's bound beside it: 1.5e9 / 4.8e12 = 0.3125 ms, so 2.0 ms a step is 6.4x it
+    sheet = bench.row("0.6b", 4, "overlap-graphs", samples["overlap-graphs"], tokens, weight_bytes, bw, 3, 4.8e12)
+    assert (sheet["bound_ms"], sheet["x_bound"]) == (0.3125, 6.4)
+    assert bench.datasheet_bps("NVIDIA H200") == 4.8e12 and bench.datasheet_bps("a hand-made record") is None
     record = {"device": "a hand-made record", "torch": "-", "transformers": "-", "copy_GBps": 3000.0,
               "prompt": 64, "tokens": tokens, "results": list(rows.values())}
     bench.report(record)
