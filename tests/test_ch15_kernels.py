@@ -15,12 +15,15 @@ import torch.nn.functional as F
 
 from conftest import DEVICE, random_checkpoint
 from minioverlap import LLM, SamplingParams
-from minioverlap.engine.attention import window_attention
+from minioverlap.device.hazard import HazardError
+from minioverlap.engine.attention import PagedAttention, window_attention
+from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.kernels.attention import paged_attention
 from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
 from minioverlap.kernels.kv_store import store_kv
 from minioverlap.model.fused import merge_projections
 from minioverlap.model.qwen3 import Attention, MLP, Qwen3Config, RMSNorm, apply_rope, rope_cos_sin
+from test_ch07_one_step_late import Plan, run_clients, stop_token_after
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -199,6 +202,44 @@ def test_the_fast_path_tokens_equal_the_reference_on_unseen_checkpoints(tmp_path
     prompts = [[1, 2, 3], list(range(10, 40))]
     want = [o.token_ids for o in LLM(model=str(path), kernels=False).generate(prompts, params)]
     assert [o.token_ids for o in LLM(model=str(path), kernels=True).generate(prompts, params)] == want
+
+
+# ---- the fence and the checker on the fast path
+
+
+class ReadsTheTableInTheForward(PagedAttention):
+    """The fast path's attention reading the page table itself, in its first layer: after the step's
+    read-done event, where a kernel that read req_to_token directly would read it."""
+
+    def __init__(self, runner: ModelRunner, batch) -> None:
+        super().__init__(runner.kv_pool, None, batch)
+        self.tables = runner.tables
+
+    def attend(self, layer_id, q, k, v):
+        if self.page_table is None:
+            self.page_table = self.tables.page_table(self.batch)
+        return super().attend(layer_id, q, k, v)
+
+
+def slot_handover_on_the_fast_path() -> list:
+    """Chapter 08's scenario on the fast path: A stops at its second token while the step after it is in
+    flight, and B, a longer prompt, takes A's request slot and rewrites the row that step reads."""
+    llm = LLM(model="tiny", kernels=True, max_running=1, page_size=4, hazard_check=True)
+    a, b = llm.encode("def f(x):"), llm.encode("class Stack:\n    def __init__(self):\n        self.items = []")
+    stop = stop_token_after(llm, a, 2)
+    return run_clients(llm, [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,))),
+                             Plan(b, SamplingParams(max_tokens=4, ignore_eos=True))])
+
+
+def test_the_checker_is_silent_on_the_fast_path_and_fires_when_its_table_read_follows_the_event(monkeypatch):
+    """The fence's event must follow the last read of the shared tables. On the fast path, as on the
+    reference, attention reads the step's copy of the page table, made before the event: silence. An
+    attention that reads the table in its first layer, one kernel after the event, races with B's write."""
+    got = slot_handover_on_the_fast_path()
+    assert got[0].finish_reason == "stop" and len(got[1].tokens) == 4
+    monkeypatch.setattr(ModelRunner, "attention", lambda self, batch: ReadsTheTableInTheForward(self, batch))
+    with pytest.raises(HazardError, match=r"req_to_token row 1.*read on the forward stream \(step \d+: attention reads the page table\)"):
+        slot_handover_on_the_fast_path()
 
 
 def test_bad_kernels_flags_are_refused():

@@ -60,12 +60,12 @@ class ModelRunner:
         check_memory(num_pages, page_size, self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize,
                      max_running, max_seq_len, str(weight.device))
         self.allocator = PageAllocator(num_pages, page_size)
-        # >>> ch15 replaces ch02: the fast path's kernels store and read the pool if the model takes it
-        #| self.kv_pool = KVPool(c.num_hidden_layers, num_pages * page_size, c.num_key_value_heads, c.head_dim,
-        #|                       weight.dtype, weight.device)
         self.kv_pool = KVPool(c.num_hidden_layers, num_pages * page_size, c.num_key_value_heads, c.head_dim,
-                              weight.dtype, weight.device, kernels=model.kernels)
-        # <<< ch15
+                              weight.dtype, weight.device,
+                              # >>> ch15: the fast path's kernels store and read the pool if the model takes it
+                              kernels=model.kernels,
+                              # <<< ch15
+                              )
         # >>> ch08 replaces ch02: the guards; the checker sees every access to the tables
         #| self.tables = ReqToTokenPool(max_running, max_seq_len, weight.device)
         self.guards, self.hazards = guards, hazards

@@ -1,0 +1,117 @@
+"""Chapter 15: the fast path's kernels against the PyTorch reference, then the recorded GPU run.
+
+Run from the repository root:  python examples/ch15_kernels.py
+
+Part 1 runs every kernel of minioverlap/kernels on small inputs beside the PyTorch code it replaces and
+prints the largest difference next to the tolerance the tests hold it to (on a CPU the kernels run in
+Triton's interpreter). Part 2 generates with the tiny model on both paths and compares the tokens.
+Part 3 reads chapters/figures/15-h200-0.6b.json, the run of tools/bench.py that the chapter explains.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from minioverlap import LLM, SamplingParams
+from minioverlap.engine.attention import window_attention
+from minioverlap.kernels.attention import paged_attention
+from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
+from minioverlap.kernels.kv_store import store_kv
+from minioverlap.model.qwen3 import apply_rope, rope_cos_sin
+
+RUN = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "15-h200-0.6b.json"
+console = Console(width=120)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+g = torch.Generator().manual_seed(0)
+
+
+def randn(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def tolerance(want: torch.Tensor) -> float:
+    """The tests' bf16 tolerance: two roundings of the largest value (at least of 1)."""
+    return 2 * 2 ** -7 * max(1.0, want.abs().max().item())
+
+
+def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+
+def attention_case(window: int, lens: list[int], kv_heads: int = 2, group: int = 4, d: int = 64, page: int = 16):
+    """Requests whose pages lie in reverse order in the pool (slot = page * page_size + offset)."""
+    slots = (max(lens) + window) // page * page + page
+    table = torch.zeros(len(lens), slots, dtype=torch.int32)
+    for b in range(len(lens)):
+        pos = torch.arange(slots)
+        table[b] = ((slots // page - 1 - pos // page) * page + pos % page).int()
+    positions = torch.cat([torch.arange(n, n + window) for n in lens]).to(device)
+    q, k, v = randn(len(lens) * window, kv_heads * group, d), randn(slots, kv_heads, d), randn(slots, kv_heads, d)
+    table = table.to(device)
+    want = window_attention(q, k, v, table, positions)
+    return paged_attention(q, k, v, table, None, positions, window), want
+
+
+def kernels() -> None:
+    console.rule(f"each kernel against the PyTorch reference ({'on the GPU' if device == 'cuda' else 'in the interpreter'}), bf16")
+    table = Table("kernel", "case", "max error", "tolerance")
+    k_pool, v_pool = randn(40, 2, 64), randn(40, 2, 64)
+    k_ref, v_ref, loc, k, v = k_pool.clone(), v_pool.clone(), torch.tensor([7, 0, 31], device=device), randn(3, 2, 64), randn(3, 2, 64)
+    k_ref[loc], v_ref[loc] = k, v
+    store_kv(k_pool, v_pool, loc, k, v)
+    copied = (k_pool - k_ref).abs().max() + (v_pool - v_ref).abs().max()
+    cases = [("store_kv", "3 tokens into a pool of 40 slots (a copy)", copied, 0.0)]
+    for window, lens in ((1, [0, 40, 100]), (4, [9, 77])):
+        got, want = attention_case(window, lens)
+        cases.append(("paged_attention", f"{len(lens)} requests, windows of {window}, GQA 4, pages of 16",
+                      (got - want).abs().max(), tolerance(want)))
+    x, r, w = randn(4, 256), randn(4, 256), randn(256)
+    out, _ = add_rms_norm(x, r.clone(), w, 1e-6)
+    want = rms(x + r, w)
+    cases.append(("add_rms_norm", "4 tokens x 256", (out - want).abs().max(), tolerance(want)))
+    qkv, nw = randn(3, 8 * 64), randn(2, 64)
+    cos, sin = rope_cos_sin(torch.tensor([0, 5, 900], device=device), 64, 1e6)
+    q, _, _ = qk_norm_rope(qkv, nw, cos, sin, 4, 2, 1e-6)
+    want = apply_rope(rms(qkv[:, :256].view(3, 4, 64), nw[0]), cos.bfloat16(), sin.bfloat16())
+    cases.append(("qk_norm_rope", "3 tokens, 4 q heads + 2 k heads of 64", (q - want).abs().max(), tolerance(want)))
+    gate_up = randn(3, 2 * 768)
+    want = F.silu(gate_up[:, :768]) * gate_up[:, 768:]
+    cases.append(("silu_mul", "3 tokens x 768", (silu_mul(gate_up) - want).abs().max(), tolerance(want)))
+    for name, case, err, tol in cases:
+        table.add_row(name, case, f"{float(err):.4f}", f"{tol:.4f}")
+    console.print(table)
+
+
+def tokens() -> None:
+    console.rule("the tiny model: greedy tokens of both paths")
+    prompts, params = ["def fibonacci(n):", "class Stack:"], SamplingParams(max_tokens=8, ignore_eos=True)
+    for overlap in (False, True):
+        ref = [o.token_ids for o in LLM(device=device, overlap=overlap, kernels=False).generate(prompts, params)]
+        fast = [o.token_ids for o in LLM(device=device, overlap=overlap, kernels=True).generate(prompts, params)]
+        console.print(f"{'overlap' if overlap else 'normal'} loop: reference {ref[0][:4]}..., fast path "
+                      f"{fast[0][:4]}...: {'equal' if fast == ref else 'DIFFERENT'}", highlight=False)
+
+
+def recorded() -> None:
+    run = json.loads(RUN.read_text())
+    rows = {(r["batch"], r["system"]): r for r in run["results"]}
+    console.rule(f"the recorded run: {run['device']}, Qwen3-0.6B shape, bf16, {run['prompt']}-token prompts")
+    table = Table("batch", "system", "ms/step", "x bound", "x hf-compile", "host ms/step")
+    for (batch, system), r in rows.items():
+        base = rows[batch, "hf-compile"]["tok_s"]
+        table.add_row(str(batch), system, f"{r['ms_step']:.2f}", f"{r['x_bound']:.1f}", f"{r['tok_s'] / base:.2f}x",
+                      "-" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}")
+    console.print(table)
+    for key, path in (("profile", "reference"), ("profile_kernels", "fast path")):
+        prof = run[key]["0.6b"]
+        console.print(f"a graphed step at batch 1, {path}: {prof['kernels_per_step']:.0f} kernels, "
+                      f"{prof['gpu_ms_per_step']:.2f} ms of GPU time", highlight=False)
+
+
+kernels()
+tokens()
+recorded()
