@@ -189,6 +189,7 @@ def test_the_fast_path_tokens_equal_the_reference(overlap, mtp_steps):
     ref = LLM(**engine, kernels=False)
     fast = LLM(**engine, kernels=True)
     assert fast.model.kernels and fast.runner.kv_pool.kernels and not ref.runner.kv_pool.kernels
+    assert not mtp_steps or (fast.runner.draft_kv_pool.kernels and hasattr(fast.runner.mtp.self_attn, "qkv_weight"))
     assert [o.token_ids for o in fast.generate(PROMPTS, params)] == [o.token_ids for o in ref.generate(PROMPTS, params)]
     fast.check_integrity()
 

@@ -14,7 +14,8 @@ The same weights and the same arithmetic, in fewer kernels. Per layer:
     down_proj, residual add                       down_proj          (the add goes into the next norm)
 
 `merge_projections` makes the merged weights once, at load, and points the reference's q/k/v and
-gate/up weights at slices of them: both paths read the same memory, nothing is stored twice.
+gate/up weights at slices of them: both paths read the same memory, nothing is stored twice. The MTP
+layer of chapter 09 (a decoder layer with an input mixer and an output norm) takes the same path.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def fused_forward(model: Qwen3ForCausalLM, input_ids: torch.Tensor, positions: t
     for layer in model.model.layers:
         x, residual = fused_layer(layer, x, residual, cos, sin, ctx)
     return add_rms_norm(x, residual, model.model.norm.weight, c.rms_norm_eps)[0]
+
+
+def fused_mtp_layer(mtp: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    ctx: AttentionContext) -> torch.Tensor:
+    """The MTP layer's decoder layer and its own output norm (model/mtp.py) through the fused kernels."""
+    h, residual = fused_layer(mtp, x, None, cos, sin, ctx)
+    return add_rms_norm(h, residual, mtp.shared_head.norm.weight, mtp.shared_head.norm.eps)[0]
 
 
 def fused_layer(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,

@@ -55,6 +55,11 @@ class MTPLayer(DecoderLayer):
         cos, sin = rope_cos_sin(positions, target.config.head_dim, target.config.rope_theta)
         embeds = target.model.embed_tokens(input_ids)
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        # >>> ch15: the layer through the fused kernels when the target takes the fast path
+        if target.kernels:
+            from minioverlap.model.fused import fused_mtp_layer        # Triton: only on the fast path
+            return fused_mtp_layer(self, x, cos, sin, ctx)
+        # <<< ch15
         return self.shared_head.norm(super().forward(x, cos, sin, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -80,4 +85,9 @@ def load_mtp(model_dir: Path, target: Qwen3ForCausalLM) -> MTPLayer:
     weight = target.model.embed_tokens.weight
     state = {name[len(prefix):]: t.to(device=weight.device, dtype=weight.dtype) for name, t in tensors.items()}
     mtp.load_state_dict(state, assign=True)
+    # >>> ch15: merged projections for the fast path, as the target's
+    if target.kernels:
+        from minioverlap.model.fused import merge_projections          # Triton: only on the fast path
+        merge_projections(mtp)
+    # <<< ch15
     return mtp.eval()
