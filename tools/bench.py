@@ -1,8 +1,8 @@
-"""Chapter 14's benchmark: minioverlap against transformers on real Qwen3 shapes, on one GPU (needs CUDA).
+"""Chapters 14 and 15's benchmark: minioverlap against transformers on real Qwen3 shapes, on one GPU (needs CUDA).
 
     python tools/bench.py                                    # tiny, 0.6b and 8b, batch 1 4 16 64, every system
     python tools/bench.py --shapes 8b --batches 16 64 --cache-dir /tmp/ckpt --out bench.json   # add to a sweep
-    python tools/bench.py --systems hf-compile overlap-graphs --tokens 64 --repeats 5
+    python tools/bench.py --systems hf-compile overlap-graphs overlap-kernels --tokens 64 --repeats 5
     python tools/bench.py --report runs/bench.json               # no GPU: the table, and runs/bench.png, of a recorded run
     python tools/bench.py --shapes 8b --batches 1 --profile --chrome trace.json   # where a step's time goes
     python tools/bench.py --shapes tiny --mtp 3             # plain against MTP, the tiny model's own drafts
@@ -15,21 +15,24 @@ minioverlap's own Python source, which its drafts can predict), each generating 
 tokens (greedy; transformers with min_new_tokens, minioverlap with ignore_eos): transformers eagerly
 with its dynamic cache (hf-eager) and with a static cache, whose decode forward its generate compiles
 with torch.compile (hf-compile, what a transformers user picks for speed), and minioverlap's normal and
-overlap loops, each eager and with CUDA graphs; on a shape with an MTP layer (only tiny: random weights
-would draft nothing useful), both loops with graphs once more, drafting --mtp tokens a step (-mtp).
+overlap loops, each eager and with CUDA graphs on the reference path (kernels=False: -eager, -graphs),
+and with graphs on chapter 15's fast path (-kernels); on a shape with an MTP layer (only tiny: random
+weights would draft nothing useful), the graphed systems once more, drafting --mtp tokens a step (-mtp).
 Each is warmed up untimed, then they take turns for --repeats timed runs; the table shows medians:
 tokens/s, ms per token (wall time / new tokens: a step's time, except for MTP, which commits several
 tokens a step), that against the HBM bound (the weight bytes a plain decode step reads over the copy
-bandwidth measured in the same run), the ratio to hf-compile, for minioverlap the median GPU gap
-between steps and the host's CPU time per step (every phase but `wait`), and for MTP the accept length
-(tok/pass: tokens per pass, the prefill and the verify steps). Results are merged into --out after each
-batch size, so a long sweep can run as several commands, and plotted to --png (tokens/s against batch
-size; by default beside the JSON, --out's or --report's, named as it with .png). Each shape runs in a
-process of its own.
+bandwidth measured in the same run) and against the datasheet's bound (the same bytes over the
+device's datasheet bandwidth, DATASHEET_BPS), the ratio to hf-compile, for minioverlap the median GPU
+gap between steps and the host's CPU time per step (every phase but `wait`), and for MTP the accept
+length (tok/pass: tokens per pass, the prefill and the verify steps). Results are merged into --out
+after each batch size, so a long sweep can run as several commands, and plotted to --png (tokens/s
+against batch size; by default beside the JSON, --out's or --report's, named as it with .png). Each
+shape runs in a process of its own.
 
---profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler): how many,
-their GPU time, and the costliest by name. --chrome FILE writes both loops' event traces at batch 1 with
-graphs on (the first shape) as Chrome trace-event JSON, the file chapter 06's notebook draws.
+--profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler) on each
+path, the reference (`profile`) and the fast one (`profile_kernels`): how many, their GPU time, and the
+costliest by name. --chrome FILE writes both loops' event traces at batch 1 with graphs on the
+reference path (the first shape) as Chrome trace-event JSON, the file chapter 06's notebook draws.
 """
 
 from __future__ import annotations

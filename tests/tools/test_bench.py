@@ -204,6 +204,34 @@ def test_the_minioverlap_systems_run_and_probe_with_the_engine_on_a_cpu(monkeypa
     assert accept == 24 / sum(o.verify_steps for o in outs) and accept > 1
 
 
+@pytest.mark.parametrize("name, loop, graphs, kernels, mtp", [
+    ("normal-eager", False, False, False, 0), ("overlap-graphs", True, True, False, 0),
+    ("normal-kernels", False, True, True, 0), ("overlap-kernels-mtp", True, True, True, 3)])
+def test_each_system_name_picks_its_loop_its_graphs_and_its_path(monkeypatch, name, loop, graphs, kernels, mtp):
+    """-eager and -graphs run the reference path (chapter 14's systems, measured as they were); -kernels
+    runs chapter 15's fast path, with graphs."""
+    import minioverlap
+    seen = {}
+    monkeypatch.setattr(minioverlap, "LLM", lambda **kw: seen.update(kw))
+    load_bench().minioverlap_system(Path("ckpt"), name, [[1, 2, 3]], 8, 3)
+    assert (seen["overlap"], seen["cuda_graphs"], seen["kernels"], seen["mtp_steps"]) == (loop, graphs, kernels, mtp)
+
+
+def test_report_prints_the_profile_of_each_path(capsys):
+    bench = load_bench()
+    row = bench.row("0.6b", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None)], 100, 1_000_000_000, 4e12, 3, 4.8e12)
+    top = [{"name": "split_kernel", "ms_per_step": 0.25, "per_step": 28.0}]
+    record = {"device": "NVIDIA H200", "torch": "-", "transformers": "-", "copy_GBps": 4000.0, "prompt": 64,
+              "tokens": 100, "results": [row],
+              "profile": {"0.6b": {"kernels_per_step": 1053.0, "gpu_ms_per_step": 2.8, "top": top}},
+              "profile_kernels": {"0.6b": {"kernels_per_step": 382.0, "gpu_ms_per_step": 1.4, "top": top}}}
+    bench.report(record)
+    out = capsys.readouterr().out
+    assert "the reference path: 1053 kernels, 2.800 ms of GPU time" in out
+    assert "the fast path: 382 kernels, 1.400 ms of GPU time" in out
+    assert "datasheet bound 0.208" in out and cells(out, "│ overlap-kernels")[4:6] == ["4.00", "4.80"]
+
+
 @pytest.mark.parametrize("args, field", [
     (["--shapes", "7b"], "--shapes"), (["--systems", "vllm"], "--systems"), (["--batches", "1", "0"], "--batches"),
     (["--tokens", "0"], "--tokens"), (["--repeats", "0"], "--repeats"), (["--mtp", "0"], "--mtp"),
