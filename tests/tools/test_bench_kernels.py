@@ -1,0 +1,65 @@
+"""tools/bench_kernels.py on a CPU: every case's two sides agree (the kernels in Triton's interpreter),
+a case that differs is refused before it is timed, and the report of a recorded run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "bench_kernels.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("bench_kernels_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_every_case_s_fast_path_equals_its_reference():
+    errors = load_tool().check_cases("small", 3, 40, "cpu")
+    assert set(errors) == {"q/k/v projections", "gate/up projections", "add + RMSNorm", "q/k norm + RoPE", "SiLU x up",
+                           "KV store", "decode attention", "verify attention, 4 rows"}
+    assert errors["KV store"] == 0 and errors["q/k/v projections"] == 0 and errors["gate/up projections"] == 0
+
+
+def test_a_case_whose_two_sides_differ_is_refused():
+    tool = load_tool()
+    want = torch.ones(4, dtype=torch.bfloat16)
+    assert tool.close(want + 2 ** -7, want) == 2 ** -7             # one rounding: within two
+    with pytest.raises(AssertionError, match="max error 0.5 > 0.0156"):
+        tool.close(want + 0.5, want)
+
+
+def test_report_reads_a_recorded_run(tmp_path):
+    record = {"device": "a hand-made record", "torch": "-", "repeats": 50, "results": [
+        {"shape": "8b", "batch": 1, "context": 4096, "case": "decode attention", "reference_us": 60.0, "fast_us": 12.0,
+         "max_error": 0.0039}]}
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(record))
+    done = run_tool("--report", str(path))
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if "decode attention" in line)
+    assert [c.strip() for c in line.strip("│ ").split("│")] == ["8b", "1", "4096", "decode attention", "60.0", "12.0",
+                                                                  "5.00x", "0.0039"]
+
+
+def test_without_cuda_and_without_report_it_says_so_and_bad_arguments_name_the_flag():
+    done = run_tool()
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+    done = run_tool("--contexts", "0")
+    assert done.returncode == 2 and "--contexts must be integers >= 1, got [0]" in done.stderr

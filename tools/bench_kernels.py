@@ -1,0 +1,195 @@
+"""Chapter 15's kernel benchmark: each fast-path kernel against the PyTorch code it replaces (needs CUDA).
+
+    python tools/bench_kernels.py                              # the 0.6b and 8b shapes, batch 1 and 16
+    python tools/bench_kernels.py --shapes 8b --batches 1 --contexts 128 4096 --out kernels.json
+    python tools/bench_kernels.py --report kernels.json        # no GPU: the table of a recorded run
+
+For each model shape (the layer sizes of Qwen3-0.6B and Qwen3-8B, bf16), batch size and context length,
+every group of operations the fast path fuses runs both ways on the same random inputs: the reference
+(the PyTorch code of minioverlap/model/qwen3.py and minioverlap/engine/attention.py) and the fast path
+(minioverlap/kernels/, the merged projections). Each is captured in a CUDA graph of --repeats copies
+and replayed, as it runs inside a graphed decode step, so the time is the GPU's, launch costs aside:
+microseconds per call, median of 5 replays. Before timing, the two outputs are compared (bf16: within
+two roundings of the largest value). Without CUDA, `check_cases` runs every case in Triton's
+interpreter on a small shape (the tools' tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {   # hidden, intermediate, q heads, kv heads, head_dim: Qwen3-0.6B, Qwen3-8B, and a small one for tests
+    "0.6b": (1024, 3072, 16, 8, 128),
+    "8b": (4096, 12288, 32, 8, 128),
+    "small": (64, 96, 4, 2, 16),
+}
+
+
+def cases(shape: str, batch: int, context: int, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (reference, fast path): zero-argument functions over the same inputs, each returning its output."""
+    from minioverlap.engine.attention import decode_attention, window_attention
+    from minioverlap.kernels.attention import paged_attention
+    from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
+    from minioverlap.kernels.kv_store import store_kv
+    from minioverlap.model.qwen3 import apply_rope, rope_cos_sin
+    hidden, inter, hq, hkv, d = SHAPES[shape]
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=g).to(device=device, dtype=dtype)
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+    x, r, w = randn(batch, hidden), randn(batch, hidden), randn(hidden)
+    w_q, w_k, w_v = randn(hq * d, hidden) * 0.02, randn(hkv * d, hidden) * 0.02, randn(hkv * d, hidden) * 0.02
+    w_qkv = torch.cat([w_q, w_k, w_v])
+    w_gate, w_up = randn(inter, hidden) * 0.02, randn(inter, hidden) * 0.02
+    w_gate_up = torch.cat([w_gate, w_up])
+    qkv, norms = randn(batch, (hq + 2 * hkv) * d), randn(2, d)
+    positions = torch.full((batch,), context - 1, device=device)
+    cos, sin = rope_cos_sin(positions, d, 1e6)
+    gate_up = randn(batch, 2 * inter)
+    slots = batch * context + 16
+    k_pool, v_pool = randn(slots, hkv, d), randn(slots, hkv, d)
+    loc = torch.randperm(slots, generator=g)[:batch].to(device)
+    k_new, v_new = randn(batch, hkv, d), randn(batch, hkv, d)
+    table = torch.randperm(slots, generator=g)[:batch * context].view(batch, context).to(device=device, dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, device=device)
+    q = randn(batch, hq, d)
+    window = 4
+    q_w = randn(batch * window, hq, d)
+    positions_w = (torch.arange(window, device=device) + context - window).repeat(batch)
+
+    def qk_reference() -> torch.Tensor:
+        q_, k_ = qkv[:, :hq * d].view(batch, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(batch, hkv, d)
+        c, s = cos.to(dtype), sin.to(dtype)
+        return torch.cat([apply_rope(rms(q_, norms[0]), c, s), apply_rope(rms(k_, norms[1]), c, s)], dim=1)
+
+    def store_reference() -> torch.Tensor:
+        k_pool[loc], v_pool[loc] = k_new, v_new
+        return k_pool[loc]
+
+    def store_fast() -> torch.Tensor:
+        store_kv(k_pool, v_pool, loc, k_new, v_new)
+        return k_pool[loc]
+
+    return {
+        "q/k/v projections": (lambda: torch.cat([F.linear(x, w_q), F.linear(x, w_k), F.linear(x, w_v)], dim=1),
+                              lambda: F.linear(x, w_qkv)),
+        "gate/up projections": (lambda: torch.cat([F.linear(x, w_gate), F.linear(x, w_up)], dim=1),
+                                lambda: F.linear(x, w_gate_up)),
+        "add + RMSNorm": (lambda: rms(x + r, w), lambda: add_rms_norm(x, r.clone(), w, 1e-6)[0]),
+        "q/k norm + RoPE": (qk_reference, lambda: torch.cat(qk_norm_rope(qkv, norms, cos, sin, hq, hkv, 1e-6)[:2], dim=1)),
+        "SiLU x up": (lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lambda: silu_mul(gate_up)),
+        "KV store": (store_reference, store_fast),
+        "decode attention": (lambda: decode_attention(q, k_pool, v_pool, table, seq_lens),
+                             lambda: paged_attention(q, k_pool, v_pool, table, None, positions, 1)),
+        f"verify attention, {window} rows": (lambda: window_attention(q_w, k_pool, v_pool, table, positions_w),
+                                             lambda: paged_attention(q_w, k_pool, v_pool, table, None, positions_w, window)),
+    }
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference, after checking it is within two bf16 roundings of the largest value."""
+    err = (got.float() - want.float()).abs().max().item()
+    limit = 2 * 2 ** -7 * max(1.0, want.abs().max().item())
+    if err > limit:
+        raise AssertionError(f"max error {err:.3g} > {limit:.3g}")
+    return err
+
+
+def check_cases(shape: str, batch: int, context: int, device: str) -> dict[str, float]:
+    """Every case's reference and fast path compared -> name: max error."""
+    return {name: close(fast(), ref()) for name, (ref, fast) in cases(shape, batch, context, device).items()}
+
+
+def graph_us(fn: Callable, repeats: int) -> float:
+    """fn captured `repeats` times in one CUDA graph; microseconds per call, median of 5 replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / repeats)
+    return statistics.median(times[1:])
+
+
+def bench(args: argparse.Namespace) -> dict:
+    rows = []
+    for shape in args.shapes:
+        for batch in args.batches:
+            for context in args.contexts:
+                errors = check_cases(shape, batch, context, "cuda")
+                for name, (ref, fast) in cases(shape, batch, context, "cuda").items():
+                    if "attention" not in name and context != args.contexts[0]:
+                        continue                           # only attention depends on the context
+                    rows.append({"shape": shape, "batch": batch, "context": context, "case": name,
+                                 "reference_us": round(graph_us(ref, args.repeats), 2),
+                                 "fast_us": round(graph_us(fast, args.repeats), 2), "max_error": errors[name]})
+                    print(rows[-1], flush=True)
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "repeats": args.repeats, "results": rows}
+
+
+def report(record: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table("shape", "batch", "context", "case", "reference us", "fast us", "speedup", "max error",
+                  title=f"{record['device']}, torch {record['torch']}: microseconds per call inside a CUDA graph")
+    for r in record["results"]:
+        table.add_row(r["shape"], str(r["batch"]), str(r["context"]), r["case"], f"{r['reference_us']:.1f}",
+                      f"{r['fast_us']:.1f}", f"{r['reference_us'] / r['fast_us']:.2f}x", f"{r['max_error']:.4f}")
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=[s for s in SHAPES if s != "small"], default=["0.6b", "8b"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[128, 1024, 4096],
+                        help="context lengths for attention (the other cases run at the first)")
+    parser.add_argument("--repeats", type=int, default=50, help="copies of each call in its CUDA graph")
+    parser.add_argument("--out", default="bench_kernels.json")
+    parser.add_argument("--report", metavar="FILE", help="no run: print the table of a recorded JSON")
+    args = parser.parse_args(argv)
+    for name in ("batches", "contexts"):
+        if min(getattr(args, name)) < 1:
+            parser.error(f"--{name} must be integers >= 1, got {getattr(args, name)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be an integer >= 1, got {args.repeats}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report:
+        record = json.loads(Path(args.report).read_text())
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU; --report FILE reads a recorded run")
+    else:
+        record = bench(args)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    report(record)
+
+
+if __name__ == "__main__":
+    main()
