@@ -31,7 +31,8 @@ shape runs in a process of its own.
 
 --profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler) on each
 path, the reference (`profile`) and the fast one (`profile_kernels`): how many, their GPU time, and the
-costliest by name. --chrome FILE writes both loops' event traces at batch 1 with graphs on the
+costliest by name; and the host's side of the same step on the fast path, plain and (tiny) with MTP
+(`profile_host`): its work per step, and the Python functions with the most time of their own. --chrome FILE writes both loops' event traces at batch 1 with graphs on the
 reference path (the first shape) as Chrome trace-event JSON, the file chapter 06's notebook draws.
 """
 
@@ -222,6 +223,25 @@ def profile_step(shape: str, path: Path, prompt: int, tokens: int = 64, top: int
                      "per_step": round(e.count / tokens, 1)} for e in costliest]}
 
 
+def profile_host(shape: str, path: Path, prompt: int, tokens: int = 64, top: int = 15, **options) -> dict:
+    """The host's side of a graphed decode step at batch 1 on the fast path (normal loop): its work per step
+    from the trace, then the `top` functions by their own time under cProfile (which slows Python down
+    more than the device calls: the ranking is what it is for), per step."""
+    import cProfile
+    import pstats
+    llm, prompts, params = one_engine(shape, path, prompt, tokens, overlap=False, **{"kernels": True, **options})
+    llm.generate(prompts, params)                                        # warm-up
+    llm.generate(prompts, params)
+    host_ms = llm.trace.host_ms_per_step()
+    profiler = cProfile.Profile()
+    profiler.runcall(llm.generate, prompts, params)
+    stats = pstats.Stats(profiler).stats
+    costliest = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]   # (file, line, name): (cc, calls, tottime, ...)
+    return {"host_ms_per_step": round(host_ms, 4),
+            "top": [{"function": f"{Path(file).name}:{line}({name})"[:80], "ms_per_step": round(tt / tokens * 1e3, 4),
+                     "calls_per_step": round(calls / tokens, 1)} for (file, line, name), (_, calls, tt, *_) in costliest]}
+
+
 def chrome(shape: str, path: Path, prompt: int, tokens: int, out: Path) -> None:
     """Both loops' event traces at batch 1, graphs on, as Chrome trace-event JSON."""
     from minioverlap.device.trace import chrome_trace
@@ -337,6 +357,10 @@ def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
         if args.profile:
             record.setdefault("profile", {})[shape] = profile_step(shape, path, args.prompt)
             record.setdefault("profile_kernels", {})[shape] = profile_step(shape, path, args.prompt, kernels=True)
+            host = {"plain": profile_host(shape, path, args.prompt)}
+            if has_mtp(path):
+                host["mtp"] = profile_host(shape, path, args.prompt, mtp_steps=args.mtp)
+            record.setdefault("profile_host", {})[shape] = host
             out.write_text(json.dumps(record, indent=1) + "\n")
         if args.chrome:
             chrome(shape, path, args.prompt, 32, Path(args.chrome))
@@ -389,6 +413,11 @@ def report(record: dict) -> None:
                               f"{prof['gpu_ms_per_step']:.3f} ms of GPU time; the costliest:")
                 for k in prof["top"]:
                     console.print(f"  {k['ms_per_step']:7.3f} ms  {k['per_step']:5.0f} x  {k['name']}")
+        for kind, prof in record.get("profile_host", {}).get(shape, {}).items():
+            console.print(f"the host's side of a graphed step at batch 1, fast path, {kind}: {prof['host_ms_per_step']:.3f} "
+                          f"ms of host work a step; under cProfile, the functions with the most time of their own:")
+            for k in prof["top"]:
+                console.print(f"  {k['ms_per_step']:7.3f} ms  {k['calls_per_step']:6.1f} x  {k['function']}")
 
 
 def plot(record: dict, path: Path) -> None:

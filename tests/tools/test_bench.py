@@ -217,6 +217,28 @@ def test_each_system_name_picks_its_loop_its_graphs_and_its_path(monkeypatch, na
     assert (seen["overlap"], seen["cuda_graphs"], seen["kernels"], seen["mtp_steps"]) == (loop, graphs, kernels, mtp)
 
 
+def test_the_host_profile_ranks_the_functions_of_a_step_by_their_own_time(monkeypatch, capsys):
+    """profile_host on the CPU engine (the reference path, no graphs): the trace's host work per step and the
+    functions with the most time of their own, costliest first, the scheduler's among them; the report
+    prints them."""
+    import minioverlap
+    bench = load_bench()
+    real = minioverlap.LLM
+    monkeypatch.setattr(minioverlap, "LLM", lambda **kw: real(**{**kw, "device": "cpu", "dtype": "float32",
+                                                                 "cuda_graphs": False, "kernels": False}))
+    path = bench.make_checkpoint("tiny", Path("unused"))
+    prof = bench.profile_host("tiny", path, 8, tokens=6, top=10)
+    times = [t["ms_per_step"] for t in prof["top"]]
+    assert prof["host_ms_per_step"] > 0 and len(times) == 10 and times == sorted(times, reverse=True) and times[0] > 0
+    assert all(t["calls_per_step"] > 0 for t in prof["top"])
+    row = bench.row("tiny", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None)], 6, 1_000_000, 4e12, 3)
+    bench.report({"device": "-", "torch": "-", "transformers": "-", "copy_GBps": 4000.0, "prompt": 8, "tokens": 6,
+                  "results": [row], "profile_host": {"tiny": {"plain": prof}}})
+    out = capsys.readouterr().out
+    assert f"fast path, plain: {prof['host_ms_per_step']:.3f} ms of host work a step" in out
+    assert prof["top"][0]["function"][:40] in out
+
+
 def test_report_prints_the_profile_of_each_path(capsys):
     bench = load_bench()
     row = bench.row("0.6b", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None)], 100, 1_000_000_000, 4e12, 3, 4.8e12)
