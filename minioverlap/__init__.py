@@ -1,5 +1,8 @@
 """minioverlap: a small LLM inference engine that teaches overlap scheduling, chapter by chapter."""
 
+# >>> ch15: first of all: without a GPU, Triton's interpreter, before anything imports triton
+import minioverlap.kernels  # noqa: F401
+# <<< ch15
 from minioverlap.llm import LLM, RequestOutput
 from minioverlap.model.loader import CheckpointError
 from minioverlap.sampling_params import SamplingParams

@@ -175,7 +175,7 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     if args.first_tokens_first and args.loop == "normal":
         raise ValueError("--first-tokens-first changes the overlap loop; the normal loop handles every step before "
                          "the next launch already: drop one of --first-tokens-first and --loop normal")
-    for name in ("cuda_graphs", "max_running", "max_seq_len", "num_pages", "dtype"):
+    for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
@@ -243,6 +243,8 @@ def parser() -> argparse.ArgumentParser:
                                 "sooner, the device idle once per prefill (chapter 16)")
     serve_cmd.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                            help="decode steps as CUDA graph replays (default: on for CUDA)")
+    serve_cmd.add_argument("--kernels", action=argparse.BooleanOptionalAction,
+                           help="the fast path: fused kernels and Triton attention (default: on for CUDA, chapter 15)")
     # <<< ch16
     # >>> ch09: MTP drafts
     for cmd in sub.choices.values():

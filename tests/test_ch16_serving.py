@@ -210,6 +210,22 @@ def test_a_request_too_large_for_the_pool_is_refused_by_the_scheduler():
     assert code == 0, out
 
 
+def test_serve_kernels_takes_the_fast_path():
+    """--kernels on a CPU: the scheduler process runs chapter 15's kernels (in Triton's interpreter), and a
+    completion's tokens are the reference path's."""
+    prompt = "def f(x):"
+    expected = LLM(model="tiny", kernels=False).generate([prompt], SamplingParams(max_tokens=4))[0]
+    s = Server("--kernels", "--max-running", "2")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+        assert got.choices[0].text == expected.text
+        assert s.wait_idle()["kernels"] is True
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_both_processes_with_a_stream_in_flight(sig):
     """The stream in flight finishes, or ends with an error event if it outlasts the grace period (5 s);

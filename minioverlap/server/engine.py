@@ -84,6 +84,7 @@ class Report:
     free_rows: int
     max_running: int
     finishes: dict[str, int]          # requests ended since the start, by finish_reason ("stop", "abort", ...)
+    kernels: bool                     # the engine's step takes chapter 15's fast path
 
 
 def run_engine(options: dict, inbox: Connection, outbox: Connection, first_tokens_first: bool = False) -> None:
@@ -165,7 +166,8 @@ class EngineLoop:
         except IntegrityError as err:
             problems = str(err)
         return Report(not (sched.busy or sched.in_flight or sched.deferred), problems, runner.free_pages,
-                      runner.usable_pages, runner.free_rows, self.llm.max_running, dict(self.finishes))
+                      runner.usable_pages, runner.free_rows, self.llm.max_running, dict(self.finishes),
+                      self.llm.model.kernels)
 
 
 def tokens(reply: Reply) -> Tokens:
