@@ -107,8 +107,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     V at positions 0 .. its own, read through row rows[b] of the page table `table` -> [B*W, Hq, D].
 
     The page table is any [rows, L] table of KV slots: req_to_token itself with rows = the requests' rows,
-    or the step's own copy of their rows with rows=None (request b reads row b). splits: a power of two,
-    None for num_splits'."""
+    or the step's own copy of their rows with rows=None (request b reads row b). splits: a power of two
+    (None: num_splits's choice for the batch)."""
     T, Hq, D = q.shape
     B, Hkv = T // window, k_pool.shape[1]
     group, splits = Hq // Hkv, splits or num_splits(B, Hkv, q.device)
