@@ -17,6 +17,7 @@ from conftest import DEVICE, random_checkpoint
 from minioverlap import LLM, SamplingParams
 from minioverlap.device.hazard import HazardError
 from minioverlap.engine.attention import PagedAttention, window_attention
+from minioverlap.engine.forward_batch import ForwardMode
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.kernels.attention import paged_attention
 from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
@@ -241,6 +242,32 @@ def test_the_checker_is_silent_on_the_fast_path_and_fires_when_its_table_read_fo
     monkeypatch.setattr(ModelRunner, "attention", lambda self, batch: ReadsTheTableInTheForward(self, batch))
     with pytest.raises(HazardError, match=r"req_to_token row 1.*read on the forward stream \(step \d+: attention reads the page table\)"):
         slot_handover_on_the_fast_path()
+
+
+# ---- the host's work: one copy of a step's index lists
+
+
+@pytest.mark.parametrize("mtp_steps", [0, 2])
+def test_a_step_s_index_tensors_are_views_of_one_copy(mtp_steps):
+    """build_batch (and a verify step's build_verify_batch) sends every index list of the step in one
+    copy: positions, KV slots, rows, lengths, last indices and token rows share one device buffer."""
+    llm = LLM(model="tiny", mtp_steps=mtp_steps, max_running=3)
+    runner, batches = llm.runner, []
+    build = runner.batch
+
+    def keep(mode, reqs):
+        batches.append(build(mode, reqs))
+        return batches[-1]
+    runner.batch = keep
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [4, 4, 4]
+    modes = {b.mode for b in batches}
+    assert ForwardMode.EXTEND in modes and (ForwardMode.TARGET_VERIFY if mtp_steps else ForwardMode.DECODE) in modes
+    for b in batches:
+        fields = [b.req_pool_indices, b.last_index, b.token_rows]
+        if b.mode is not ForwardMode.TARGET_VERIFY:      # a verify step's window is laid out on the device
+            fields += [b.positions, b.out_cache_loc, b.seq_lens]
+        assert len({t.untyped_storage().data_ptr() for t in fields}) == 1, b.mode
 
 
 def test_bad_kernels_flags_are_refused():

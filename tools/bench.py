@@ -385,9 +385,9 @@ def report(record: dict) -> None:
     for shape in dict.fromkeys(r["shape"] for r in results):
         rows = [r for r in results if r["shape"] == shape]
         weights = "trained weights (the shipped model)" if shape == "tiny" else "random weights"
-        bound = f", datasheet bound {rows[0]['bound_ms']:.3f}" if rows[0].get("bound_ms") else ""
+        bound = f" (copy bandwidth), datasheet bound {rows[0]['bound_ms']:.3f}" if rows[0].get("bound_ms") else ""
         table = Table(title=f"Qwen3-{shape} shape, {weights}, bf16: {rows[0]['weights_GB']:.2f} GB read per step, "
-                            f"HBM bound {rows[0]['hbm_ms']:.3f} ms/step (copy bandwidth){bound}",
+                            f"HBM bound {rows[0]['hbm_ms']:.3f} ms/step{bound}",
                       caption=f"{record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
                               f"copy {record['copy_GBps']:.0f} GB/s; {record['prompt']}-token prompts, "
                               f"{record['tokens']} new tokens each; medians")
@@ -406,10 +406,10 @@ def report(record: dict) -> None:
                      fmt(ratio, ".2f", "x"), fmt(r["gap_ms"], ".3f"), fmt(r["cpu_ms"], ".3f")]
             table.add_row(*cells, *[fmt(r.get("accept"), ".2f")] * mtp, end_section=last)
         console.print(table)
-        for key, path in (("profile", "the reference path"), ("profile_kernels", "the fast path")):
+        for key, path in (("profile", ""), ("profile_kernels", " on the fast path")):
             if shape in record.get(key, {}):
                 prof = record[key][shape]
-                console.print(f"a graphed decode step at batch 1, {path}: {prof['kernels_per_step']:.0f} kernels, "
+                console.print(f"a graphed decode step at batch 1{path}: {prof['kernels_per_step']:.0f} kernels, "
                               f"{prof['gpu_ms_per_step']:.3f} ms of GPU time; the costliest:")
                 for k in prof["top"]:
                     console.print(f"  {k['ms_per_step']:7.3f} ms  {k['per_step']:5.0f} x  {k['name']}")

@@ -4,7 +4,8 @@
     to_host    a step's tokens back to the host: on a GPU a non-blocking copy into pinned memory, behind
                the step on its stream, with an event that says when it is done (the host waits on that
                event, and only when it handles the step)
-    to_device  (chapter 08) a host list as a device tensor: through pinned memory, non-blocking
+    to_device  (chapter 08) a host list as a device tensor: through pinned memory, non-blocking;
+               from chapter 15 several lists in one copy (to_device_together)
 """
 
 from __future__ import annotations
@@ -32,3 +33,13 @@ def to_device(values: list[int], dtype: torch.dtype, device: str | torch.device)
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 # <<< ch08
+# >>> ch15: several lists in one copy
+
+
+def to_device_together(lists: dict[str, list[int]], dtype: torch.dtype,
+                       device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Host lists as device tensors, by name, through one pinned buffer and one copy: each tensor a view
+    of the one copied (a step's index lists: one transfer a step, not one a list)."""
+    flat = to_device([v for values in lists.values() for v in values], dtype, device)
+    return dict(zip(lists, flat.split([len(values) for values in lists.values()])))
+# <<< ch15

@@ -31,6 +31,9 @@ from minioverlap.cache.req_to_token import ReqToTokenPool
 # >>> ch08: never block on the schedule stream
 from minioverlap.device.transfer import to_device
 # <<< ch08
+# >>> ch15: the step's index lists in one copy
+from minioverlap.device.transfer import to_device_together
+# <<< ch15
 from minioverlap.engine.request import Req
 
 
@@ -132,31 +135,36 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     extend_lens = [len(r.prompt_ids) - r.seq_len if mode is ForwardMode.EXTEND else 1 for r in reqs]
     loc = [slot for r, n in zip(reqs, extend_lens) for slot in allocate_kv(r, n, allocator, tables)]
     positions = [p for start, n in zip(prefix_lens, extend_lens) for p in range(start, start + n)]
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        """A host list as an index tensor on the device."""
-        # >>> ch08 replaces ch02: never block on the schedule stream
-        #| return torch.tensor(values, dtype=torch.int64, device=device)
-        return to_device(values, torch.int64, device)
-        # <<< ch08
-
     rows = [r.row for r in reqs]
-    return ForwardBatch(
-        mode, reqs,
+    indices = dict(
         # >>> ch03 removes ch02: the inputs are read from token_pool when the step runs (ModelRunner.read_inputs)
-        #| input_ids=tensor([t for r, start, n in zip(reqs, prefix_lens, extend_lens)
-        #|                   for t in (r.prompt_ids + r.output_ids)[start:start + n]]),
+        #| input_ids=[t for r, start, n in zip(reqs, prefix_lens, extend_lens)
+        #|            for t in (r.prompt_ids + r.output_ids)[start:start + n]],
         # <<< ch03
-        positions=tensor(positions), out_cache_loc=tensor(loc), req_pool_indices=tensor(rows),
-        seq_lens=tensor([r.seq_len for r in reqs]), prefix_lens=prefix_lens, extend_lens=extend_lens, rows=rows,
-        pages=[p for r in reqs for p in r.pages], last_index=tensor([sum(extend_lens[:i + 1]) - 1 for i in range(len(reqs))]),
+        positions=positions, out_cache_loc=loc, req_pool_indices=rows, seq_lens=[r.seq_len for r in reqs],
+        last_index=[sum(extend_lens[:i + 1]) - 1 for i in range(len(reqs))],
         # >>> ch03: the inputs are read from token_pool
-        token_rows=tensor([r.row for r, n in zip(reqs, extend_lens) for _ in range(n)]),
+        token_rows=[r.row for r, n in zip(reqs, extend_lens) for _ in range(n)],
         # <<< ch03
+    )
+    return ForwardBatch(
+        mode, reqs, **index_tensors(indices, device), prefix_lens=prefix_lens, extend_lens=extend_lens, rows=rows,
+        pages=[p for r in reqs for p in r.pages],
         # >>> ch08: a prefill writes its own prompt
         prompt_tokens=prompt_tokens(mode, reqs, prefix_lens, extend_lens, device),
         # <<< ch08
     )
+
+
+def index_tensors(lists: dict[str, list[int]], device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Host lists of indices as int64 tensors on the device, by name."""
+    # >>> ch08 replaces ch02: never block on the schedule stream
+    #| return {name: torch.tensor(values, dtype=torch.int64, device=device) for name, values in lists.items()}
+    # >>> ch15 replaces ch08: all of them in one copy (the host's work per step)
+    #| return {name: to_device(values, torch.int64, device) for name, values in lists.items()}
+    return to_device_together(lists, torch.int64, device)
+    # <<< ch15
+    # <<< ch08
 # >>> ch08: a prefill writes its own prompt
 
 
@@ -214,21 +222,19 @@ def build_verify_batch(reqs: list[Req], window: int, allocator: PageAllocator, t
     for r in reqs:
         reserve_kv(r, window, allocator, tables)
     prefix_lens, extend_lens, rows = [r.seq_len for r in reqs], [window] * len(reqs), [r.row for r in reqs]
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        return to_device(values, torch.int64, device)
-
     # >>> ch10 replaces ch09: the step lays its window out on the device, from the relay (resolve_window)
-    #| positions = tensor([r.seq_len + j for r in reqs for j in range(window)])
-    #| loc = tensor([s for r in reqs for s in allocator.kv_slots(r.pages, r.seq_len, r.seq_len + window)])
-    #| seq_lens = tensor([r.seq_len + window for r in reqs])
+    #| positions, loc, seq_lens = index_tensors(dict(
+    #|     positions=[r.seq_len + j for r in reqs for j in range(window)],
+    #|     loc=[s for r in reqs for s in allocator.kv_slots(r.pages, r.seq_len, r.seq_len + window)],
+    #|     seq_lens=[r.seq_len + window for r in reqs]), device).values()
     positions = loc = seq_lens = None
     # <<< ch10
+    indices = dict(req_pool_indices=rows, last_index=[(i + 1) * window - 1 for i in range(len(reqs))],
+                   token_rows=[r for r in rows for _ in range(window)])
     return ForwardBatch(
-        ForwardMode.TARGET_VERIFY, reqs, positions=positions, out_cache_loc=loc, req_pool_indices=tensor(rows),
+        ForwardMode.TARGET_VERIFY, reqs, positions=positions, out_cache_loc=loc, **index_tensors(indices, device),
         seq_lens=seq_lens, prefix_lens=prefix_lens, extend_lens=extend_lens, rows=rows,
-        pages=[p for r in reqs for p in r.pages], last_index=tensor([(i + 1) * window - 1 for i in range(len(reqs))]),
-        token_rows=tensor([r for r in rows for _ in range(window)]),
+        pages=[p for r in reqs for p in r.pages],
         # >>> ch10 removes ch09: the relay gives them, on the device, when the step runs
         #| draft_inputs=(torch.stack([r.draft[0] for r in reqs]), torch.stack([r.draft[1] for r in reqs])),
         # <<< ch10

@@ -249,8 +249,8 @@ def test_report_prints_the_profile_of_each_path(capsys):
               "profile_kernels": {"0.6b": {"kernels_per_step": 382.0, "gpu_ms_per_step": 1.4, "top": top}}}
     bench.report(record)
     out = capsys.readouterr().out
-    assert "the reference path: 1053 kernels, 2.800 ms of GPU time" in out
-    assert "the fast path: 382 kernels, 1.400 ms of GPU time" in out
+    assert "a graphed decode step at batch 1: 1053 kernels, 2.800 ms of GPU time" in out
+    assert "a graphed decode step at batch 1 on the fast path: 382 kernels, 1.400 ms of GPU time" in out
     assert "datasheet bound 0.208" in out and cells(out, "│ overlap-kernels")[4:6] == ["4.00", "4.80"]
 
 
