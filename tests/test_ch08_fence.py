@@ -188,12 +188,13 @@ def test_fence_false_beside_guards_is_refused():
 # ---- each guard, removed alone
 
 def slot_handover(*, fence: bool = True, defer_release: bool = False, prompt_on_forward_stream: bool = True,
-                  overlap: bool = True) -> tuple[HazardError | None, int, int]:
+                  overlap: bool = True, **engine) -> tuple[HazardError | None, int, int]:
     """One request slot. A finishes on a stop token at step k; step k+1, which still reads and writes A's
     row, is in flight when the row could go to B, whose prompt is longer than A's sequence.
-    Returns (the checker's error or None, A's length in step k+1, B's prompt length)."""
+    Returns (the checker's error or None, A's length in step k+1, B's prompt length). `engine`: more of
+    LLM's options (a later chapter's)."""
     guards = Guards(fence=fence, defer_release=defer_release, prompt_on_forward_stream=prompt_on_forward_stream)
-    llm = LLM(model="tiny", overlap=overlap, max_running=1, page_size=4, hazard_check=True, guards=guards)
+    llm = LLM(model="tiny", overlap=overlap, max_running=1, page_size=4, hazard_check=True, guards=guards, **engine)
     a, b = llm.encode("def f(x):"), llm.encode("class Stack:\n    def __init__(self):\n        self.items = []")
     plans = [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop_token_after(llm, a, 2),))),
              Plan(b, SamplingParams(max_tokens=4, ignore_eos=True))]
@@ -201,7 +202,7 @@ def slot_handover(*, fence: bool = True, defer_release: bool = False, prompt_on_
         got = run_clients(llm, plans)
     except HazardError as error:
         return error, -1, len(b)
-    assert got[0].finish_reason == "stop"
+    assert got[0].finish_reason == "stop" and len(got[1].tokens) == 4
     return None, len(a) + len(got[0].tokens), len(b)
 
 

@@ -9,6 +9,8 @@ rounds after every operation)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
 from minioverlap.kernels.kv_store import store_kv
 from minioverlap.model.fused import merge_projections
 from minioverlap.model.qwen3 import Attention, MLP, Qwen3Config, RMSNorm, apply_rope, rope_cos_sin
-from test_ch07_one_step_late import Plan, run_clients, stop_token_after
+from test_ch08_fence import slot_handover
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -223,25 +225,18 @@ class ReadsTheTableInTheForward(PagedAttention):
         return super().attend(layer_id, q, k, v)
 
 
-def slot_handover_on_the_fast_path() -> list:
-    """Chapter 08's scenario on the fast path: A stops at its second token while the step after it is in
-    flight, and B, a longer prompt, takes A's request slot and rewrites the row that step reads."""
-    llm = LLM(model="tiny", kernels=True, max_running=1, page_size=4, hazard_check=True)
-    a, b = llm.encode("def f(x):"), llm.encode("class Stack:\n    def __init__(self):\n        self.items = []")
-    stop = stop_token_after(llm, a, 2)
-    return run_clients(llm, [Plan(a, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,))),
-                             Plan(b, SamplingParams(max_tokens=4, ignore_eos=True))])
-
-
 def test_the_checker_is_silent_on_the_fast_path_and_fires_when_its_table_read_follows_the_event(monkeypatch):
-    """The fence's event must follow the last read of the shared tables. On the fast path, as on the
-    reference, attention reads the step's copy of the page table, made before the event: silence. An
-    attention that reads the table in its first layer, one kernel after the event, races with B's write."""
-    got = slot_handover_on_the_fast_path()
-    assert got[0].finish_reason == "stop" and len(got[1].tokens) == 4
+    """The fence's event must follow the last read of the shared tables. On chapter 08's slot handover, on
+    the fast path as on the reference, attention reads the step's copy of the page table, made before the
+    event: silence. An attention that reads the table in its first layer, one kernel after the event,
+    races with B's write."""
+    error, a_len, b_len = slot_handover(kernels=True)
+    assert error is None and b_len > a_len
     monkeypatch.setattr(ModelRunner, "attention", lambda self, batch: ReadsTheTableInTheForward(self, batch))
-    with pytest.raises(HazardError, match=r"req_to_token row 1.*read on the forward stream \(step \d+: attention reads the page table\)"):
-        slot_handover_on_the_fast_path()
+    error, _, _ = slot_handover(kernels=True)
+    assert isinstance(error, HazardError)
+    assert re.search(r"req_to_token row 1.*read on the forward stream \(step \d+: attention reads the page table\)",
+                     str(error)), error
 
 
 # ---- the host's work: one copy of a step's index lists

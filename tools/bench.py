@@ -32,8 +32,9 @@ shape runs in a process of its own.
 --profile adds, per shape, the kernels of one graphed decode step at batch 1 (torch.profiler) on each
 path, the reference (`profile`) and the fast one (`profile_kernels`): how many, their GPU time, and the
 costliest by name; and the host's side of the same step on the fast path, plain and (tiny) with MTP
-(`profile_host`): its work per step, and the Python functions with the most time of their own. --chrome FILE writes both loops' event traces at batch 1 with graphs on the
-reference path (the first shape) as Chrome trace-event JSON, the file chapter 06's notebook draws.
+(`profile_host`): its work per step, and the Python functions with the most time of their own.
+--chrome FILE writes both loops' event traces at batch 1 with graphs on the reference path (the first
+shape) as Chrome trace-event JSON, the file chapter 06's notebook draws.
 """
 
 from __future__ import annotations
