@@ -13,13 +13,16 @@ context. The context is split instead:
     merge   grid (T, Hq): the splits of one query head joined, each weighted by exp(lse_s - max lse):
             out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)
 
-A split past a request's end does nothing and has lse = -inf, so it weighs nothing. Reading K and V of
+A split past a request's end does nothing and has lse = -inf, so it weighs nothing. With one split
+(a batch that fills the GPU by itself) there is nothing to merge: the split kernel writes the output.
+Reading K and V of
 one KV head once for all its query heads is what GQA saves in bandwidth. A window of W queries (MTP's
 verify, k+1 rows) is the same kernel with W > 1: each row sees the keys up to its own position.
 
-The reference is `window_attention` in minioverlap/engine/attention.py (decode is W = 1). Scores and the
-softmax are computed in fp32, the dot products too (input_precision="ieee"): decode attention is bound
-by reading K and V, not by arithmetic.
+The reference is `window_attention` in minioverlap/engine/attention.py (decode is W = 1). The two dot
+products run on the tensor cores in the pool's dtype with fp32 sums (the probabilities rounded to that
+dtype for the second, as flash attention does); the scores and the softmax are fp32. An fp32 pool
+gets exact fp32 dot products (input_precision="ieee"), which is what its tests compare.
 """
 
 from __future__ import annotations
@@ -33,17 +36,20 @@ MIN_ROWS = 16         # tl.dot wants at least 16 rows: a group of 4 query heads 
 
 
 @triton.jit
-def split_kernel(q, k_pool, v_pool, table, rows, positions, o_part, lse_part, scale,
-                 stride_qt, stride_qh, stride_slot, stride_head, stride_table,
+def split_kernel(q, k_pool, v_pool, table, rows, positions, o_part, lse_part, out, scale,
+                 stride_qt, stride_qh, stride_slot, stride_head, stride_table, stride_ot, stride_oh,
                  W: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = tl.arange(0, ROWS)                          # row r: window row r // GROUP, query head r % GROUP
     real = r < W * GROUP
     token, head = b * W + r // GROUP, kv_head * GROUP + r % GROUP
     d = tl.arange(0, D)
     qs = tl.load(q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                 mask=real[:, None], other=0.0).to(tl.float32)
+                 mask=real[:, None], other=0.0)
+    if UPCAST:                                      # the interpreter has no bf16 dot: fp32 holds bf16 exactly
+        qs = qs.to(tl.float32)
     q_pos = tl.load(positions + token, mask=real, other=-1)
     length = tl.load(positions + b * W + W - 1) + 1                   # keys 0 .. the window's last position
     share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N       # keys per split, whole blocks
@@ -58,22 +64,29 @@ def split_kernel(q, k_pool, v_pool, table, rows, positions, o_part, lse_part, sc
         inside = n < stop
         slot = tl.load(table + row * stride_table + n, mask=inside, other=0).to(tl.int64)
         kv = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
-        ks = tl.load(k_pool + kv, mask=inside[:, None], other=0.0).to(tl.float32)
-        vs = tl.load(v_pool + kv, mask=inside[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(qs, tl.trans(ks), input_precision="ieee") * scale                  # [ROWS, BLOCK_N]
+        ks = tl.load(k_pool + kv, mask=inside[:, None], other=0.0)
+        vs = tl.load(v_pool + kv, mask=inside[:, None], other=0.0)
+        if UPCAST:
+            ks, vs = ks.to(tl.float32), vs.to(tl.float32)
+        s = tl.dot(qs, tl.trans(ks), input_precision=PRECISION) * scale              # [ROWS, BLOCK_N], fp32
         s = tl.where(inside[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that has seen no key yet
         p = tl.exp(s - base[:, None])
         alpha = tl.exp(m - base)
-        acc = acc * alpha[:, None] + tl.dot(p, vs, input_precision="ieee")
+        p_dot = p.to(v_pool.dtype.element_ty).to(vs.dtype)                  # rounded as the GPU's dot takes it
+        acc = acc * alpha[:, None] + tl.dot(p_dot, vs, input_precision=PRECISION)
         l = l * alpha + tl.sum(p, 1)
         m = m_new
     seen = l > 0                                    # a split past the request's end saw no key
     l = tl.where(seen, l, 1.0)
-    part = (token * (tl.num_programs(1) * GROUP) + head) * SPLITS + split     # [T, Hq, SPLITS] layout
-    tl.store(o_part + part[:, None] * D + d[None, :], acc / l[:, None], mask=real[:, None])
-    tl.store(lse_part + part, tl.where(seen, m + tl.log(l), float("-inf")), mask=real)
+    if SPLITS == 1:                                 # the whole context in one split: the output itself
+        dst = out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, (acc / l[:, None]).to(out.dtype.element_ty), mask=real[:, None])
+    else:
+        part = (token * (tl.num_programs(1) * GROUP) + head) * SPLITS + split     # [T, Hq, SPLITS] layout
+        tl.store(o_part + part[:, None] * D + d[None, :], acc / l[:, None], mask=real[:, None])
+        tl.store(lse_part + part, tl.where(seen, m + tl.log(l), float("-inf")), mask=real)
 
 
 @triton.jit
@@ -91,35 +104,38 @@ def merge_kernel(o_part, lse_part, out, stride_ot, stride_oh, D: tl.constexpr, S
 
 
 def num_splits(batch_size: int, kv_heads: int, device: torch.device) -> int:
-    """Splits of the context for a batch: on a GPU enough programs to fill an H200's 132 SMs about once
-    (batch 1 of an 8B model, 8 KV heads: 16 splits), at most 16, a power of two. In the interpreter,
-    which runs one program after another, 2: the fewest that still merge."""
+    """Splits of the context for a batch: on a GPU enough programs to fill an H200's 132 SMs about twice
+    (batch 1 of an 8B model, 8 KV heads: 16 splits; batch 16: 2), at most 16, a power of two. In the
+    interpreter, which runs one program after another, 2: the fewest that still merge."""
     if device.type != "cuda":
         return 2
-    want = max(1, 128 // (batch_size * kv_heads))
+    want = max(1, 256 // (batch_size * kv_heads))
     return min(16, 1 << (want.bit_length() - 1))
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                     rows: torch.Tensor | None, positions: torch.Tensor, window: int,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, block_n: int = BLOCK_N) -> torch.Tensor:
     """W = window queries per request, q [B*W, Hq, D] at positions [B*W], each against its request's K and
     V at positions 0 .. its own, read through row rows[b] of the page table `table` -> [B*W, Hq, D].
 
     The page table is any [rows, L] table of KV slots: req_to_token itself with rows = the requests' rows,
     or the step's own copy of their rows with rows=None (request b reads row b). splits: a power of two
-    (None: num_splits's choice for the batch)."""
+    (None: num_splits's choice for the batch); block_n: keys per iteration, a power of two >= 16."""
     T, Hq, D = q.shape
     B, Hkv = T // window, k_pool.shape[1]
     group, splits = Hq // Hkv, splits or num_splits(B, Hkv, q.device)
     assert q.stride(2) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous() and table.stride(1) == 1
-    o_part = torch.empty(T, Hq, splits, D, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
-    split_kernel[(B, Hkv, splits)](
-        q, k_pool, v_pool, table, table if rows is None else rows, positions, o_part, lse_part, D ** -0.5,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), table.stride(0),
-        W=window, GROUP=group, D=D, ROWS=max(MIN_ROWS, triton.next_power_of_2(window * group)),
-        BLOCK_N=BLOCK_N, SPLITS=splits, HAS_ROWS=rows is not None)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    merge_kernel[(T, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), D=D, SPLITS=splits)
+    o_part = torch.empty(T, Hq, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
+    lse_part = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    split_kernel[(B, Hkv, splits)](
+        q, k_pool, v_pool, table, table if rows is None else rows, positions, o_part, lse_part, out, D ** -0.5,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), table.stride(0), out.stride(0), out.stride(1),
+        W=window, GROUP=group, D=D, ROWS=max(MIN_ROWS, triton.next_power_of_2(window * group)),
+        BLOCK_N=block_n, SPLITS=splits, HAS_ROWS=rows is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",        # tf32: unused by bf16 and fp16 dots
+        UPCAST=q.device.type != "cuda")                                 # Triton's interpreter
+    if splits > 1:
+        merge_kernel[(T, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), D=D, SPLITS=splits)
     return out
