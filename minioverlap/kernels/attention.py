@@ -13,11 +13,13 @@ context. The context is split instead:
     merge   grid (T, Hq): the splits of one query head joined, each weighted by exp(lse_s - max lse):
             out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)
 
-A split past a request's end does nothing and has lse = -inf, so it weighs nothing. With one split
-(a batch that fills the GPU by itself) there is nothing to merge: the split kernel writes the output.
-Reading K and V of
-one KV head once for all its query heads is what GQA saves in bandwidth. A window of W queries (MTP's
-verify, k+1 rows) is the same kernel with W > 1: each row sees the keys up to its own position.
+A split that starts past a request's last key writes only its lse, -inf, so it weighs nothing and the
+merge reads no output of it. The number of splits is the device's (num_splits), never the batch's, so a
+request's result does not depend on the batch it shares. With one split there is nothing to merge: the
+split kernel writes the output. Reading K and V of one KV head once for all its query heads is what GQA
+saves in bandwidth. A window of W queries (MTP's verify, k+1 rows) is the same kernel with W > 1: each
+row sees the keys up to its own position. A head_dim that is not a power of two (or is under 16,
+tl.dot's least) is padded with masked lanes.
 
 The reference is `window_attention` in minioverlap/engine/attention.py (decode is W = 1). The two dot
 products run on the tensor cores in the pool's dtype with fp32 sums (the probabilities rounded to that
@@ -38,16 +40,17 @@ MIN_ROWS = 16         # tl.dot wants at least 16 rows: a group of 4 query heads 
 @triton.jit
 def split_kernel(q, k_pool, v_pool, table, rows, positions, o_part, lse_part, out, scale,
                  stride_qt, stride_qh, stride_slot, stride_head, stride_table, stride_ot, stride_oh,
-                 W: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                 W: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = tl.arange(0, ROWS)                          # row r: window row r // GROUP, query head r % GROUP
     real = r < W * GROUP
     token, head = b * W + r // GROUP, kv_head * GROUP + r % GROUP
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)                            # head_dim padded to a power of two >= 16 (tl.dot's least)
+    dims = d[None, :] < D
     qs = tl.load(q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                 mask=real[:, None], other=0.0)
+                 mask=real[:, None] & dims, other=0.0)
     if UPCAST:                                      # the interpreter has no bf16 dot: fp32 holds bf16 exactly
         qs = qs.to(tl.float32)
     q_pos = tl.load(positions + token, mask=real, other=-1)
@@ -58,14 +61,14 @@ def split_kernel(q, k_pool, v_pool, table, rows, positions, o_part, lse_part, ou
     row = tl.load(rows + b).to(tl.int64) if HAS_ROWS else b.to(tl.int64)      # request b's row of the table
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
+    acc = tl.zeros([ROWS, DP], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         inside = n < stop
         slot = tl.load(table + row * stride_table + n, mask=inside, other=0).to(tl.int64)
         kv = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
-        ks = tl.load(k_pool + kv, mask=inside[:, None], other=0.0)
-        vs = tl.load(v_pool + kv, mask=inside[:, None], other=0.0)
+        ks = tl.load(k_pool + kv, mask=inside[:, None] & dims, other=0.0)
+        vs = tl.load(v_pool + kv, mask=inside[:, None] & dims, other=0.0)
         if UPCAST:
             ks, vs = ks.to(tl.float32), vs.to(tl.float32)
         s = tl.dot(qs, tl.trans(ks), input_precision=PRECISION) * scale              # [ROWS, BLOCK_N], fp32
@@ -78,39 +81,39 @@ def split_kernel(q, k_pool, v_pool, table, rows, positions, o_part, lse_part, ou
         acc = acc * alpha[:, None] + tl.dot(p_dot, vs, input_precision=PRECISION)
         l = l * alpha + tl.sum(p, 1)
         m = m_new
-    seen = l > 0                                    # a split past the request's end saw no key
+    seen = l > 0                                    # a row saw a key in this split (a split past the end: none)
     l = tl.where(seen, l, 1.0)
     if SPLITS == 1:                                 # the whole context in one split: the output itself
         dst = out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, (acc / l[:, None]).to(out.dtype.element_ty), mask=real[:, None])
-    else:
+        tl.store(dst, (acc / l[:, None]).to(out.dtype.element_ty), mask=real[:, None] & dims)
+    else:                                           # a row that saw no key writes only its lse, -inf
         part = (token * (tl.num_programs(1) * GROUP) + head) * SPLITS + split     # [T, Hq, SPLITS] layout
-        tl.store(o_part + part[:, None] * D + d[None, :], acc / l[:, None], mask=real[:, None])
+        tl.store(o_part + part[:, None] * D + d[None, :], acc / l[:, None], mask=(real & seen)[:, None] & dims)
         tl.store(lse_part + part, tl.where(seen, m + tl.log(l), float("-inf")), mask=real)
 
 
 @triton.jit
-def merge_kernel(o_part, lse_part, out, stride_ot, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr):
+def merge_kernel(o_part, lse_part, out, stride_ot, stride_oh, D: tl.constexpr, DP: tl.constexpr,
+                 SPLITS: tl.constexpr):
     token, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     s = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
     # >>> exercise 15.2: merge the splits
     lse = tl.load(lse_part + (token * heads + head) * SPLITS + s)
     weight = tl.exp(lse - tl.max(lse, 0))               # split 0 always holds key 0: the max is finite
-    parts = tl.load(o_part + ((token * heads + head) * SPLITS + s)[:, None] * D + d[None, :])
+    held = (lse > float("-inf"))[:, None] & (d[None, :] < D)        # a split without keys wrote no output
+    parts = tl.load(o_part + ((token * heads + head) * SPLITS + s)[:, None] * D + d[None, :], mask=held, other=0.0)
     merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     # <<< exercise 15.2
-    tl.store(out + token * stride_ot + head * stride_oh + d, merged.to(out.dtype.element_ty))
+    tl.store(out + token * stride_ot + head * stride_oh + d, merged.to(out.dtype.element_ty), mask=d < D)
 
 
-def num_splits(batch_size: int, kv_heads: int, device: torch.device) -> int:
-    """Splits of the context for a batch: on a GPU enough programs to fill an H200's 132 SMs about twice
-    (batch 1 of an 8B model, 8 KV heads: 16 splits; batch 16: 2), at most 16, a power of two. In the
-    interpreter, which runs one program after another, 2: the fewest that still merge."""
-    if device.type != "cuda":
-        return 2
-    want = max(1, 256 // (batch_size * kv_heads))
-    return min(16, 1 << (want.bit_length() - 1))
+def num_splits(device: torch.device) -> int:
+    """Splits of the context: on a GPU 16, enough programs at batch 1 of an 8B model (8 KV heads: 128)
+    to reach most of an H200's 132 SMs; in the interpreter, which runs one program after another, 2: the
+    fewest that still merge. The count is the device's, never the batch's: a request's keys are then
+    summed in the same order whatever batch it shares, and its tokens do not depend on its neighbours."""
+    return 16 if device.type == "cuda" else 2
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -121,10 +124,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
     The page table is any [rows, L] table of KV slots: req_to_token itself with rows = the requests' rows,
     or the step's own copy of their rows with rows=None (request b reads row b). splits: a power of two
-    (None: num_splits's choice for the batch); block_n: keys per iteration, a power of two >= 16."""
+    (None: num_splits's choice for the device); block_n: keys per iteration, a power of two >= 16."""
     T, Hq, D = q.shape
     B, Hkv = T // window, k_pool.shape[1]
-    group, splits = Hq // Hkv, splits or num_splits(B, Hkv, q.device)
+    group, splits = Hq // Hkv, splits or num_splits(q.device)
+    DP = max(16, triton.next_power_of_2(D))
     assert q.stride(2) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous() and table.stride(1) == 1
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     o_part = torch.empty(T, Hq, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
@@ -132,10 +136,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     split_kernel[(B, Hkv, splits)](
         q, k_pool, v_pool, table, table if rows is None else rows, positions, o_part, lse_part, out, D ** -0.5,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), table.stride(0), out.stride(0), out.stride(1),
-        W=window, GROUP=group, D=D, ROWS=max(MIN_ROWS, triton.next_power_of_2(window * group)),
+        W=window, GROUP=group, D=D, DP=DP, ROWS=max(MIN_ROWS, triton.next_power_of_2(window * group)),
         BLOCK_N=block_n, SPLITS=splits, HAS_ROWS=rows is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",        # tf32: unused by bf16 and fp16 dots
         UPCAST=q.device.type != "cuda")                                 # Triton's interpreter
     if splits > 1:
-        merge_kernel[(T, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), D=D, SPLITS=splits)
+        merge_kernel[(T, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), D=D, DP=DP, SPLITS=splits)
     return out

@@ -53,11 +53,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 @triton.jit
 def qk_norm_rope_kernel(qkv, norm_weight, cos, sin, out, stride_qkv, stride_rope, stride_o, eps,
-                        QK_HEADS: tl.constexpr, Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr):
+                        QK_HEADS: tl.constexpr, Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+                        HALF: tl.constexpr):
     token = tl.program_id(0)
     head = tl.arange(0, HEADS)[:, None]                 # every q and k head of the token: [HEADS, D/2]
-    half = tl.arange(0, D // 2)[None, :]
-    real = head < QK_HEADS
+    half = tl.arange(0, HALF)[None, :]                  # D/2 padded to a power of two
+    real = (head < QK_HEADS) & (half < D // 2)
     src = qkv + token * stride_qkv + head * D           # q heads first, then k heads: head h at h x D
     x1 = tl.load(src + half, mask=real, other=0.0).to(tl.float32)
     x2 = tl.load(src + D // 2 + half, mask=real, other=0.0).to(tl.float32)
@@ -65,8 +66,8 @@ def qk_norm_rope_kernel(qkv, norm_weight, cos, sin, out, stride_qkv, stride_rope
     w = norm_weight + (head >= Q_HEADS) * D             # [2, D]: q_norm's weight, then k_norm's
     x1 = x1 * rstd * tl.load(w + half, mask=real, other=0.0).to(tl.float32)
     x2 = x2 * rstd * tl.load(w + D // 2 + half, mask=real, other=0.0).to(tl.float32)
-    c = tl.load(cos + token * stride_rope + half)       # cos and sin repeat after D/2 (rope_cos_sin)
-    s = tl.load(sin + token * stride_rope + half)
+    c = tl.load(cos + token * stride_rope + half, mask=half < D // 2)   # cos and sin repeat after D/2 (rope_cos_sin)
+    s = tl.load(sin + token * stride_rope + half, mask=half < D // 2)
     dst = out + token * stride_o + head * D
     tl.store(dst + half, (x1 * c - x2 * s).to(out.dtype.element_ty), mask=real)
     tl.store(dst + D // 2 + half, (x2 * c + x1 * s).to(out.dtype.element_ty), mask=real)
@@ -82,7 +83,8 @@ def qk_norm_rope(qkv: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor
     if T:
         qk_norm_rope_kernel[(T,)](qkv, norm_weight, cos, sin, out, qkv.stride(0), cos.stride(0), out.stride(0), eps,
                                   QK_HEADS=q_heads + kv_heads, Q_HEADS=q_heads,
-                                  HEADS=triton.next_power_of_2(q_heads + kv_heads), D=D)
+                                  HEADS=triton.next_power_of_2(q_heads + kv_heads), D=D,
+                                  HALF=triton.next_power_of_2(D // 2))
     v = qkv[:, (q_heads + kv_heads) * D:].view(T, kv_heads, D)
     return out[:, :q_heads], out[:, q_heads:], v
 
