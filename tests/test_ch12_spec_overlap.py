@@ -252,7 +252,7 @@ def test_the_checker_is_told_of_every_cell_a_window_touches():
     record = tables.record
 
     def recording(name, cells, kind, site):
-        recording.last = set(cells)
+        recording.last = set(cells())
         return record(name, cells, kind, site)
 
     def watched(method, first, last):

@@ -14,7 +14,7 @@ methods also tells the hazard checker what it touched, so the record is the oper
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -110,7 +110,7 @@ class ReqToTokenPool:
         """values -> positions start.. of `row` of the table `name`, with no host wait; the checker sees it."""
         table = getattr(self, name)
         table[row, start:start + len(values)] = to_device(values, torch.int32, table.device)
-        self.record(name, [(row, i) for i in range(start, start + len(values))], "write", site)
+        self.record(name, lambda: [(row, i) for i in range(start, start + len(values))], "write", site)
     # <<< ch08
 
     # ---- a step's accesses: device index tensors, on the step's stream
@@ -122,7 +122,7 @@ class ReqToTokenPool:
         """Each request's row of req_to_token, [B, L] with L its longest sequence (past a request's own
         length the slots are stale and masked). A pass reads it once, before any layer runs."""
         # >>> ch08: the checker
-        self.record("req_to_token", batch.page_cells(), "read", f"{reader} reads the page table")
+        self.record("req_to_token", batch.page_cells, "read", f"{reader} reads the page table")
         # <<< ch08
         return self.req_to_token[batch.req_pool_indices, :batch.max_seq_len]
     # >>> ch03: the inputs are read from token_pool
@@ -130,7 +130,7 @@ class ReqToTokenPool:
     def read_tokens(self, batch: Batch) -> torch.Tensor:
         """The step's input tokens [T], one per position it runs."""
         # >>> ch08: the checker
-        self.record("token_pool", batch.new_cells(), "read", "the step reads its input tokens")
+        self.record("token_pool", batch.new_cells, "read", "the step reads its input tokens")
         # <<< ch08
         return self.token_pool[batch.token_rows, batch.positions].long()
     # <<< ch03
@@ -142,7 +142,7 @@ class ReqToTokenPool:
         self.token_pool[batch.req_pool_indices, batch.seq_lens] = tokens.to(torch.int32)
         # <<< exercise 05.1
         # >>> ch08: the checker
-        self.record("token_pool", batch.next_cells(), "write", "the sampler writes the next input tokens")
+        self.record("token_pool", batch.next_cells, "write", "the sampler writes the next input tokens")
         # <<< ch08
     # <<< ch05
     # >>> ch09: MTP: a verify step's window in token_pool
@@ -151,20 +151,20 @@ class ReqToTokenPool:
         """The k drafts [B, k] after each request's bonus token: positions L+1..L+k, the verify's input."""
         B, W = drafts.shape[0], drafts.shape[1] + 1
         self.token_pool[batch.req_pool_indices[:, None], batch.positions.view(B, W)[:, 1:]] = drafts.to(torch.int32)
-        self.record("token_pool", batch.window_cells(1, W), "write", "the drafter writes the drafts")
+        self.record("token_pool", lambda: batch.window_cells(1, W), "write", "the drafter writes the drafts")
 
     def write_window(self, batch: Batch, tokens: torch.Tensor) -> None:
         """A verify step's tokens [B, W] at positions L+1..L+W: the accepted drafts, then the next bonus
         token at L + accept_len (what lies beyond it is never read: the next window overwrites it)."""
         B, W = tokens.shape
         self.token_pool[batch.req_pool_indices[:, None], batch.positions.view(B, W) + 1] = tokens.to(torch.int32)
-        self.record("token_pool", batch.window_cells(1, W + 1), "write", "the verify writes its accepted tokens")
+        self.record("token_pool", lambda: batch.window_cells(1, W + 1), "write", "the verify writes its accepted tokens")
     # <<< ch09
     # >>> ch10: a window's KV slots, read on the device
 
     def kv_slots_at(self, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
         """req_to_token at each request's positions [B, W] -> KV slots [B*W]."""
-        self.record("req_to_token", batch.window_cells(0, positions.shape[1]), "read", "the step looks up its window's KV slots")
+        self.record("req_to_token", lambda: batch.window_cells(0, positions.shape[1]), "read", "the step looks up its window's KV slots")
         return self.req_to_token[batch.req_pool_indices[:, None], positions].flatten().long()
     # <<< ch10
     # >>> ch08: a prefill writes its own prompt; every access is recorded
@@ -172,10 +172,12 @@ class ReqToTokenPool:
     def write_prompts(self, batch: Batch) -> None:
         """A prefill's prompt tokens, at the positions it runs."""
         self.token_pool[batch.token_rows, batch.positions] = batch.prompt_tokens
-        self.record("token_pool", batch.new_cells(), "write", "the prefill writes its prompt")
+        self.record("token_pool", batch.new_cells, "write", "the prefill writes its prompt")
 
-    def record(self, name: str, cells: list[tuple[int, int]], kind: str, site: str) -> None:
-        """Tell the checker, if there is one, that the current stream read or wrote these cells."""
+    def record(self, name: str, cells: Callable[[], list[tuple[int, int]]], kind: str, site: str) -> None:
+        """Tell the checker, if there is one, that the current stream read or wrote the cells that `cells()`
+        lists. The list is made only when a checker listens: a step's page cells alone are every position
+        of every request, too many to build on each step for nobody."""
         if self.hazards:
-            self.hazards.access(name, cells, kind, site)
+            self.hazards.access(name, cells(), kind, site)
     # <<< ch08

@@ -83,9 +83,11 @@ class StaticInputs:
         for static, value, pad in ((self.input_ids, input_ids, 0), (self.positions, batch.positions, 0),
                                    (self.out_cache_loc, batch.out_cache_loc, 0), (self.seq_lens, batch.seq_lens, 1)):
             static[:B] = value
-            static[B:b] = pad
+            if B < b:                   # each fill is a launch: none when the batch fills its bucket
+                static[B:b] = pad
         self.page_table[:B, :L] = page_table
-        self.page_table[B:b] = 0
+        if B < b:
+            self.page_table[B:b] = 0
         # <<< exercise 13.1
 
 
@@ -126,7 +128,8 @@ class DecodeGraphs:
 def pad_into(static: torch.Tensor, value: torch.Tensor, size: int, pad: float | torch.Tensor) -> None:
     """value into the first rows of a static buffer, `pad` into the rest of its first `size` rows."""
     static[:len(value)] = value
-    static[len(value):size] = pad
+    if len(value) < size:
+        static[len(value):size] = pad
 
 
 class SpecGraphs:
