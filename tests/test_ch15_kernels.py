@@ -62,6 +62,19 @@ def test_the_kv_store_writes_each_token_at_its_slot_and_nothing_else(dtype, kv_h
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)     # a copy: bit for bit
 
 
+def test_the_kv_store_reads_its_slots_from_a_strided_view():
+    """loc as a column of a wider tensor (MTP's draft rows take window row j of every request this way):
+    each token's own slot, not the next element in memory."""
+    kv_heads, head_dim, T = 2, 16, 5
+    window = torch.tensor([[3, 4, 5], [20, 21, 22], [9, 10, 11], [30, 31, 32], [0, 1, 2]], device=DEVICE)
+    k, v = randn(T, kv_heads, head_dim, seed=1), randn(T, kv_heads, head_dim, seed=2)
+    k_pool, v_pool = randn(40, kv_heads, head_dim, seed=3), randn(40, kv_heads, head_dim, seed=4)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref[window[:, 1]], v_ref[window[:, 1]] = k, v
+    store_kv(k_pool, v_pool, window[:, 1], k, v)
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
 # ---- paged attention, split over the context
 
 
@@ -122,6 +135,14 @@ def test_a_request_s_attention_does_not_depend_on_its_batch():
     for b in (0, 3, 15):
         alone = paged_attention(q[b:b + 1], k_pool, v_pool, table[b:b + 1], None, positions[b:b + 1], 1)
         assert torch.equal(alone[0], batched[b])
+
+
+def test_paged_attention_reads_positions_from_a_strided_view():
+    """positions as column j of a [B, W] window (MTP's draft rows): each request's own position."""
+    q, k_pool, v_pool, table, positions = paged_case([12, 50, 33], 1, 2, 2, 16, 16, torch.float32)
+    window = torch.stack([positions - 1, positions, positions + 1], dim=1)      # [B, 3], row b at column 1
+    want = window_attention(q, k_pool, v_pool, table, positions)
+    close(paged_attention(q, k_pool, v_pool, table, None, window[:, 1], 1, splits=2), want)
 
 
 def test_paged_attention_reads_the_rows_it_is_given():
@@ -205,15 +226,18 @@ PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", [5, 6, 
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("mtp_steps", [0, 2])
+@pytest.mark.parametrize("mtp_steps", [0, 3])
 def test_the_fast_path_tokens_equal_the_reference(overlap, mtp_steps):
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    """Greedy tokens, and with MTP the same verify steps: drafts are the drafter's, so a drafter that read
+    another request's position or stored its K and V at another's slot would show in the accept lengths."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = dict(model="tiny", overlap=overlap, mtp_steps=mtp_steps, page_size=4)
     ref = LLM(**engine, kernels=False)
     fast = LLM(**engine, kernels=True)
     assert fast.model.kernels and fast.runner.kv_pool.kernels and not ref.runner.kv_pool.kernels
     assert not mtp_steps or (fast.runner.draft_kv_pool.kernels and hasattr(fast.runner.mtp.self_attn, "qkv_weight"))
-    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == [o.token_ids for o in ref.generate(PROMPTS, params)]
+    got = [(o.token_ids, o.verify_steps) for o in fast.generate(PROMPTS, params)]
+    assert got == [(o.token_ids, o.verify_steps) for o in ref.generate(PROMPTS, params)]    # the same drafts, too
     fast.check_integrity()
 
 
@@ -253,7 +277,9 @@ def test_the_checker_is_silent_on_the_fast_path_and_fires_when_its_table_read_fo
     races with B's write."""
     error, a_len, b_len = slot_handover(kernels=True)
     assert error is None and b_len > a_len
-    monkeypatch.setattr(ModelRunner, "attention", lambda self, batch: ReadsTheTableInTheForward(self, batch))
+    attention = ModelRunner.attention          # a graphed step (on a GPU) replays the table its graph reads
+    monkeypatch.setattr(ModelRunner, "attention", lambda self, batch: attention(self, batch)
+                        if self.graphs_for(batch) else ReadsTheTableInTheForward(self, batch))
     error, _, _ = slot_handover(kernels=True, cuda_graphs=False)       # the planted attention runs eagerly
     assert isinstance(error, HazardError)
     assert re.search(r"req_to_token row 1.*read on the forward stream \(step \d+: attention reads the page table\)",

@@ -130,6 +130,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     group, splits = Hq // Hkv, splits or num_splits(q.device)
     DP = max(16, triton.next_power_of_2(D))
     assert q.stride(2) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous() and table.stride(1) == 1
+    positions = positions.contiguous()          # read at positions + t: a strided view (MTP's draft rows) is copied
+    rows = None if rows is None else rows.contiguous()
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     o_part = torch.empty(T, Hq, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse_part = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else out

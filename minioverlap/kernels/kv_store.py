@@ -32,6 +32,7 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     T, H, D = k.shape
     assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape[1:] == (H, D)
     assert k.stride()[1:] == v.stride()[1:] == (D, 1), "each token's K and V lie together"
+    loc = loc.contiguous()          # the kernel reads loc[token] at loc + token: a strided view (MTP's draft rows) is copied
     if T:
         store_kv_kernel[(T,)](k, v, k_pool, v_pool, loc, k.stride(0), v.stride(0), N=H * D,
                               BLOCK=triton.next_power_of_2(H * D))
