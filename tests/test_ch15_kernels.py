@@ -67,8 +67,8 @@ def test_the_kv_store_reads_its_slots_from_a_strided_view():
     each token's own slot, not the next element in memory."""
     kv_heads, head_dim, T = 2, 16, 5
     window = torch.tensor([[3, 4, 5], [20, 21, 22], [9, 10, 11], [30, 31, 32], [0, 1, 2]], device=DEVICE)
-    k, v = randn(T, kv_heads, head_dim, seed=1), randn(T, kv_heads, head_dim, seed=2)
-    k_pool, v_pool = randn(40, kv_heads, head_dim, seed=3), randn(40, kv_heads, head_dim, seed=4)
+    k, v = (randn(T, kv_heads, head_dim, dtype=torch.float32, seed=s) for s in (1, 2))
+    k_pool, v_pool = (randn(40, kv_heads, head_dim, dtype=torch.float32, seed=s) for s in (3, 4))
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     k_ref[window[:, 1]], v_ref[window[:, 1]] = k, v
     store_kv(k_pool, v_pool, window[:, 1], k, v)
