@@ -5,7 +5,9 @@ Run from the repository root:  python examples/ch15_kernels.py
 Part 1 runs every kernel of minioverlap/kernels on small inputs beside the PyTorch code it replaces and
 prints the largest difference next to the tolerance the tests hold it to (on a CPU the kernels run in
 Triton's interpreter). Part 2 generates with the tiny model on both paths and compares the tokens.
-Part 3 reads chapters/figures/15-h200-0.6b.json, the run of tools/bench.py that the chapter explains.
+Part 3 reads chapters/figures/15-h200.json, the run of tools/bench.py that the chapter explains: the
+Qwen3-8B shape's rows with the Qwen3-0.6B shape's beside them, then the profiles of a step at batch 1
+(its kernels on each path, the host's work on the fast path).
 """
 
 import json
@@ -23,7 +25,7 @@ from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
 from minioverlap.kernels.kv_store import store_kv
 from minioverlap.model.qwen3 import apply_rope, rope_cos_sin
 
-RUN = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "15-h200-0.6b.json"
+RUN = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "15-h200.json"
 console = Console(width=120)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 g = torch.Generator().manual_seed(0)
@@ -98,18 +100,38 @@ def tokens() -> None:
 
 def recorded() -> None:
     run = json.loads(RUN.read_text())
-    rows = {(r["batch"], r["system"]): r for r in run["results"]}
-    console.rule(f"the recorded run: {run['device']}, Qwen3-0.6B shape, bf16, {run['prompt']}-token prompts")
-    table = Table("batch", "system", "ms/step", "x bound", "x hf-compile", "host ms/step")
-    for (batch, system), r in rows.items():
-        base = rows[batch, "hf-compile"]["tok_s"]
-        table.add_row(str(batch), system, f"{r['ms_step']:.2f}", f"{r['x_bound']:.1f}", f"{r['tok_s'] / base:.2f}x",
-                      "-" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}")
+    shapes = {"8b": "8B", "0.6b": "0.6B"}                     # the Qwen3-8B shape first, the 0.6B one beside it
+    rows = {(r["shape"], r["batch"], r["system"]): r for r in run["results"]}
+    console.rule(f"the recorded run: {run['device']}, bf16, {run['prompt']}-token prompts, "
+                 f"{run['tokens']} new tokens each")
+    for shape, name in shapes.items():
+        r = rows[shape, 1, "hf-compile"]
+        console.print(f"Qwen3-{name} shape: {r['weights_GB']:.2f} GB of weights a step, datasheet bound "
+                      f"{r['bound_ms']:.3f} ms, copy bound {r['hbm_ms']:.3f} ms", highlight=False)
+    table = Table("batch", "system", *(f"{name}\n{what}" for name in shapes.values()
+                                       for what in ("ms/step", "x bound", "x hf-compile", "host ms")),
+                  caption="ms/step: wall time over new tokens; x bound: over the datasheet bound; "
+                          "host ms: the host's work a step")
+    table.columns[1].no_wrap = True
+    for shape, batch, system in rows:
+        if shape != "8b" or ("0.6b", batch, system) not in rows:
+            continue
+        cells = []
+        for other in shapes:
+            o, base = rows[other, batch, system], rows[other, batch, "hf-compile"]
+            cells += [f"{o['ms_step']:.2f}", f"{o['x_bound']:.2f}", f"{o['tok_s'] / base['tok_s']:.2f}x",
+                      "-" if o["cpu_ms"] is None else f"{o['cpu_ms']:.2f}"]
+        table.add_row(str(batch), system, *cells)
     console.print(table)
     for key, path in (("profile", "reference"), ("profile_kernels", "fast path")):
-        prof = run[key]["0.6b"]
-        console.print(f"a graphed step at batch 1, {path}: {prof['kernels_per_step']:.0f} kernels, "
-                      f"{prof['gpu_ms_per_step']:.2f} ms of GPU time", highlight=False)
+        console.print(f"a graphed step at batch 1, {path}: " + "; ".join(
+            f"{name} {run[key][shape]['kernels_per_step']:.0f} kernels, {run[key][shape]['gpu_ms_per_step']:.2f} ms"
+            for shape, name in shapes.items()) + " of GPU time", highlight=False)
+    host = {shape: {kind: f"{p['host_ms_per_step']:.2f} ms" for kind, p in h.items()}
+            for shape, h in run["profile_host"].items()}
+    console.print("the host's work a step at batch 1 on the fast path, profiled: "
+                  + ", ".join(f"{name} {host[shape]['plain']}" for shape, name in shapes.items())
+                  + f", tiny {host['tiny']['plain']}, with MTP {host['tiny']['mtp']}", highlight=False)
 
 
 kernels()
