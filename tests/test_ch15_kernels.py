@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from conftest import DEVICE, random_checkpoint
 from minioverlap import LLM, SamplingParams
+from minioverlap.cache import req_to_token
+from minioverlap.device import transfer
 from minioverlap.device.hazard import HazardError
 from minioverlap.engine.attention import PagedAttention, window_attention
 from minioverlap.engine.forward_batch import ForwardMode
@@ -310,6 +312,32 @@ def test_a_step_s_index_tensors_are_views_of_one_copy(mtp_steps):
         if b.mode is not ForwardMode.TARGET_VERIFY:      # a verify step's window is laid out on the device
             fields += [b.positions, b.out_cache_loc, b.seq_lens]
         assert len({t.untyped_storage().data_ptr() for t in fields}) == 1, b.mode
+
+
+def test_a_plain_step_writes_its_new_kv_slots_with_no_copy_of_their_own(monkeypatch):
+    """build_batch writes every request's new KV slots into req_to_token from the batch's own device
+    tensors (out_cache_loc at token_rows, positions): a decode step of three requests sends one host
+    list to the device, its index lists, where writing each request's slots copied three more."""
+    llm = LLM(model="tiny", max_running=3)
+    copies, per_batch = [], []
+    real = transfer.to_device
+    counted = lambda values, *args: copies.append(len(values)) or real(values, *args)
+    monkeypatch.setattr(transfer, "to_device", counted)
+    monkeypatch.setattr(req_to_token, "to_device", counted)
+    build = llm.runner.batch
+
+    def batch(mode, reqs):
+        before = len(copies)
+        made = build(mode, reqs)
+        per_batch.append((mode, len(reqs), len(copies) - before))
+        return made
+    llm.runner.batch = batch
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(model="tiny").generate(PROMPTS, SamplingParams(
+        max_tokens=4, ignore_eos=True))]
+    decode = [(n, sent) for mode, n, sent in per_batch if mode is ForwardMode.DECODE]
+    assert (3, 1) in decode and all(sent == 1 for _, sent in decode), per_batch
+    llm.check_integrity()
 
 
 def test_bad_kernels_flags_are_refused():

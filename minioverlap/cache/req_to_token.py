@@ -44,6 +44,13 @@ class Batch(Protocol):
     # >>> ch09: MTP: a verify step's window
     def window_cells(self, start: int, end: int) -> list[tuple[int, int]]: ...
     # <<< ch09
+    # >>> ch15: the new KV slots, written from the batch's own index tensors
+    out_cache_loc: torch.Tensor        # [T] the KV slot of each position the step runs
+    rows: list[int]                    # [B] each request's row, on the host
+    prefix_lens: list[int]             # [B] each request's first new position
+
+    def ends(self) -> list[int]: ...
+    # <<< ch15
 
 
 class ReqToTokenPool:
@@ -167,6 +174,17 @@ class ReqToTokenPool:
         self.record("req_to_token", lambda: batch.window_cells(0, positions.shape[1]), "read", "the step looks up its window's KV slots")
         return self.req_to_token[batch.req_pool_indices[:, None], positions].flatten().long()
     # <<< ch10
+    # >>> ch15: a step's new KV slots in one write
+
+    def write_new_slots(self, batch: Batch) -> None:
+        """Each request's new KV slots at its new positions: out_cache_loc at (token_rows, positions), the
+        batch's own device tensors, in one write. Chapter 02's `write` copies a host list a request
+        (through pinned memory from chapter 08): B copies a step, where this makes none."""
+        self.req_to_token[batch.token_rows, batch.positions] = batch.out_cache_loc.to(self.req_to_token.dtype)
+        for row, start, end in zip(batch.rows, batch.prefix_lens, batch.ends()):
+            self.record("req_to_token", lambda: [(row, i) for i in range(start, end)], "write",
+                        f"the scheduler writes the KV slots of row {row}")
+    # <<< ch15
     # >>> ch08: a prefill writes its own prompt; every access is recorded
 
     def write_prompts(self, batch: Batch) -> None:

@@ -119,7 +119,9 @@ def allocate_kv(req: Req, num_tokens: int, allocator: PageAllocator, tables: Req
     start, end = req.seq_len, req.seq_len + num_tokens
     req.pages += allocator.alloc(allocator.pages_for(end) - len(req.pages))
     slots = allocator.kv_slots(req.pages, start, end)
-    tables.write(req.row, start, slots)
+    # >>> ch15 removes ch02: build_batch writes the whole batch's new slots at once (write_new_slots)
+    #| tables.write(req.row, start, slots)
+    # <<< ch15
     req.seq_len = end
     return slots
 
@@ -147,13 +149,17 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
         token_rows=[r.row for r, n in zip(reqs, extend_lens) for _ in range(n)],
         # <<< ch03
     )
-    return ForwardBatch(
+    batch = ForwardBatch(
         mode, reqs, **index_tensors(indices, device), prefix_lens=prefix_lens, extend_lens=extend_lens, rows=rows,
         pages=[p for r in reqs for p in r.pages],
         # >>> ch08: a prefill writes its own prompt
         prompt_tokens=prompt_tokens(mode, reqs, prefix_lens, extend_lens, device),
         # <<< ch08
     )
+    # >>> ch15: the new KV slots into req_to_token from the batch's own device indices: no copy of their own
+    tables.write_new_slots(batch)
+    # <<< ch15
+    return batch
 
 
 def index_tensors(lists: dict[str, list[int]], device: str | torch.device) -> dict[str, torch.Tensor]:
