@@ -15,7 +15,7 @@ context. The context is split instead:
 
 A split that starts past a request's last key writes only its lse, -inf, so it weighs nothing and the
 merge reads no output of it. The number of splits is the device's (num_splits), never the batch's, so a
-request's result does not depend on the batch it shares. With one split there is nothing to merge: the
+request's attention does not depend on the batch it shares. With one split there is nothing to merge: the
 split kernel writes the output. Reading K and V of one KV head once for all its query heads is what GQA
 saves in bandwidth. A window of W queries (MTP's verify, k+1 rows) is the same kernel with W > 1: each
 row sees the keys up to its own position. A head_dim that is not a power of two (or is under 16,
@@ -112,7 +112,7 @@ def num_splits(device: torch.device) -> int:
     """Splits of the context: on a GPU 16, enough programs at batch 1 of an 8B model (8 KV heads: 128)
     to reach most of an H200's 132 SMs; in the interpreter, which runs one program after another, 2: the
     fewest that still merge. The count is the device's, never the batch's: a request's keys are then
-    summed in the same order whatever batch it shares, and its tokens do not depend on its neighbours."""
+    summed in the same order whatever batch it shares, and its attention does not depend on its neighbours."""
     return 16 if device.type == "cuda" else 2
 
 
