@@ -171,13 +171,13 @@ def hf_system(model, prompts: list[list[int]], tokens: int, compiled: bool):
                              do_sample=False, pad_token_id=0, **extra)
         assert out.shape == (len(prompts), ids.shape[1] + tokens)
         assert not compiled or hasattr(model, "_compiled_call"), "transformers did not compile the forward"
-    return run, lambda: (None, None, None)
+    return run, lambda: (None, None, None, None)
 
 
 def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: int, mtp: int):
     """An engine of one loop (normal/overlap), eager, with CUDA graphs of the reference path, or with graphs
     of the fast path (chapter 15's kernels), drafting `mtp` tokens a step when the name ends in -mtp;
-    probe: (median GPU gap, CPU ms/step, tokens per pass or None)."""
+    probe: (median GPU gap, CPU ms/step, tokens per pass or None, a decode step's CPU ms)."""
     from minioverlap import LLM, SamplingParams
     loop, mode, *spec = name.split("-")
     k = mtp if spec else 0
@@ -190,11 +190,23 @@ def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: 
         outs[:] = llm.generate(prompts, params)
         assert all(len(o.token_ids) == tokens for o in outs)
 
-    def probe() -> tuple[float | None, float, float | None]:
+    def probe() -> tuple[float | None, float, float | None, float | None]:
         gaps = llm.trace.gpu_gaps_ms()
         accept = sum(len(o.token_ids) for o in outs) / sum(o.verify_steps for o in outs) if k else None
-        return (statistics.median(gaps) if gaps else None), llm.trace.host_ms_per_step(), accept
+        return (statistics.median(gaps) if gaps else None), llm.trace.host_ms_per_step(), accept, decode_host_ms(llm.trace)
     return run, probe
+
+
+def decode_host_ms(trace) -> float | None:
+    """The host's work of a typical decode step, in ms: each step's phases but `wait` (as
+    Trace.host_ms_per_step counts them), the median over every step after the first, the prefill, whose
+    eager launch the mean of host_ms_per_step spreads over the run."""
+    per_step: dict[int, int] = {}
+    for a, b in zip(trace, trace[1:]):
+        if b.kind != "wait":
+            per_step[b.step] = per_step.get(b.step, 0) + b.t_ns - a.t_ns
+    decode = [ns for step, ns in per_step.items() if step > 1]
+    return statistics.median(decode) / 1e6 if decode else None
 
 
 def one_engine(shape: str, path: Path, prompt: int, tokens: int, **options):
@@ -294,11 +306,12 @@ def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, 
     wall = statistics.median(s[0] for s in samples)
     ms_step, hbm_ms = wall / tokens * 1e3, weight_bytes / bw * 1e3
     bound_ms = weight_bytes / datasheet * 1e3 if datasheet else None
-    gap, cpu, accept = (median_or_none([s[i] for s in samples]) for i in (1, 2, 3))
+    gap, cpu, accept, decode_cpu = (median_or_none([s[i] for s in samples]) for i in (1, 2, 3, 4))
     return {"shape": shape, "batch": batch, "system": system, "tok_s": round(batch * tokens / wall, 1),
             "ms_step": round(ms_step, 4), "hbm_ms": round(hbm_ms, 6), "x_hbm": round(ms_step / hbm_ms, 3),
             "bound_ms": rounded(bound_ms, 6), "x_bound": rounded(bound_ms and ms_step / bound_ms, 3),
-            "gap_ms": rounded(gap), "cpu_ms": rounded(cpu), "weights_GB": round(weight_bytes / 1e9, 3),
+            "gap_ms": rounded(gap), "cpu_ms": rounded(cpu), "cpu_ms_decode": rounded(decode_cpu),
+            "weights_GB": round(weight_bytes / 1e9, 3),
             **({"mtp": mtp, "accept": rounded(accept, 3)} if system.endswith("-mtp") else {})}
 
 

@@ -78,18 +78,19 @@ def test_rows_from_hand_made_samples_have_the_hand_computed_bound_ratios_and_tok
     bench = load_bench()
     tokens, weight_bytes, bw = 128, 1_500_000_000, 3e12
     samples = {
-        "hf-compile": [(0.6, None, None, None), (0.512, None, None, None), (0.5, None, None, None)],
-        "overlap-graphs": [(0.4, 0.01, 0.5, None), (0.256, None, 0.7, None), (0.25, 0.03, 0.6, None)],
-        "overlap-graphs-mtp": [(0.128, 0.02, 0.9, 2.5), (0.2, 0.02, 1.1, 3.0), (0.1, 0.02, 1.0, 2.0)],
+        "hf-compile": [(0.6, None, None, None, None), (0.512, None, None, None, None), (0.5, None, None, None, None)],
+        "overlap-graphs": [(0.4, 0.01, 0.5, None, 0.3), (0.256, None, 0.7, None, 0.5), (0.25, 0.03, 0.6, None, 0.4)],
+        "overlap-graphs-mtp": [(0.128, 0.02, 0.9, 2.5, 0.8), (0.2, 0.02, 1.1, 3.0, 0.7), (0.1, 0.02, 1.0, 2.0, None)],
     }
     rows = {name: bench.row("0.6b", 4, name, s, tokens, weight_bytes, bw, 3) for name, s in samples.items()}
     common = {"shape": "0.6b", "batch": 4, "hbm_ms": 0.5, "weights_GB": 1.5, "bound_ms": None, "x_bound": None}
     assert rows["hf-compile"] == {**common, "system": "hf-compile", "tok_s": 1000.0, "ms_step": 4.0, "x_hbm": 8.0,
-                                  "gap_ms": None, "cpu_ms": None}
+                                  "gap_ms": None, "cpu_ms": None, "cpu_ms_decode": None}
     assert rows["overlap-graphs"] == {**common, "system": "overlap-graphs", "tok_s": 2000.0, "ms_step": 2.0,
-                                      "x_hbm": 4.0, "gap_ms": 0.02, "cpu_ms": 0.6}
+                                      "x_hbm": 4.0, "gap_ms": 0.02, "cpu_ms": 0.6, "cpu_ms_decode": 0.4}
     assert rows["overlap-graphs-mtp"] == {**common, "system": "overlap-graphs-mtp", "tok_s": 4000.0, "ms_step": 1.0,
-                                          "x_hbm": 2.0, "gap_ms": 0.02, "cpu_ms": 1.0, "mtp": 3, "accept": 2.5}
+                                          "x_hbm": 2.0, "gap_ms": 0.02, "cpu_ms": 1.0, "cpu_ms_decode": 0.75,
+                                          "mtp": 3, "accept": 2.5}
     # the datasheet's bound beside it: 1.5e9 / 4.8e12 = 0.3125 ms, so 2.0 ms a step is 6.4x it
     sheet = bench.row("0.6b", 4, "overlap-graphs", samples["overlap-graphs"], tokens, weight_bytes, bw, 3, 4.8e12)
     assert (sheet["bound_ms"], sheet["x_bound"]) == (0.3125, 6.4)
@@ -182,6 +183,21 @@ def test_report_shows_the_accept_length_of_the_mtp_rows(tmp_path):
     assert done.stdout.count("tok/pass") == 1                   # only the table of the shape with MTP rows
 
 
+def test_a_decode_step_s_host_work_leaves_out_the_prefill_and_the_waits():
+    """decode_host_ms on a hand-made trace: step 1 (the prefill) spends 9 ms launching, steps 2-4 spend 0.1
+    + 0.2 + 0.1 + 0.1 ms in schedule, launch, process and reply, besides waits of 5 ms (step 4's launch
+    takes 0.3): the median over steps 2-4 is 0.5 ms, where the mean of every phase counts the prefill."""
+    from minioverlap.device.trace import Trace, TraceEvent
+    bench, trace, t = load_bench(), Trace(), 0
+    for step, launch in ((1, 9.0), (2, 0.2), (3, 0.2), (4, 0.3)):
+        for kind, ms in (("schedule", 0.1), ("launch", launch), ("wait", 5.0), ("process", 0.1), ("reply", 0.1)):
+            t += round(ms * 1e6)
+            trace.append(TraceEvent(kind, step, t, (0,)))
+    assert bench.decode_host_ms(trace) == pytest.approx(0.5)
+    assert trace.host_ms_per_step() > 2.0
+    assert bench.decode_host_ms(Trace()) is None
+
+
 def test_the_minioverlap_systems_run_and_probe_with_the_engine_on_a_cpu(monkeypatch):
     """The bench's minioverlap systems, with the engine moved to the CPU (no graphs, no GPU gaps): each
     serves the prompts to exactly --tokens new tokens; an -mtp system probes its accept length, the
@@ -196,8 +212,8 @@ def test_the_minioverlap_systems_run_and_probe_with_the_engine_on_a_cpu(monkeypa
     for name in ("normal-graphs", "overlap-graphs-mtp"):
         run, probe = bench.minioverlap_system(path, name, prompts, 12, 3)
         run()
-        gap, cpu, accept = probe()
-        assert gap is None and cpu > 0
+        gap, cpu, accept, decode_cpu = probe()
+        assert gap is None and cpu > 0 and decode_cpu > 0
         assert (accept is None) == (name == "normal-graphs")
     llm = real(model=str(path), mtp_steps=3, max_running=2)
     outs = llm.generate(prompts, minioverlap.SamplingParams(max_tokens=12, ignore_eos=True))
@@ -231,7 +247,7 @@ def test_the_host_profile_ranks_the_functions_of_a_step_by_their_own_time(monkey
     times = [t["ms_per_step"] for t in prof["top"]]
     assert prof["host_ms_per_step"] > 0 and len(times) == 10 and times == sorted(times, reverse=True) and times[0] > 0
     assert all(t["calls_per_step"] > 0 for t in prof["top"])
-    row = bench.row("tiny", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None)], 6, 1_000_000, 4e12, 3)
+    row = bench.row("tiny", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None, 0.4)], 6, 1_000_000, 4e12, 3)
     bench.report({"device": "-", "torch": "-", "transformers": "-", "copy_GBps": 4000.0, "prompt": 8, "tokens": 6,
                   "results": [row], "profile_host": {"tiny": {"plain": prof}}})
     out = capsys.readouterr().out
@@ -241,7 +257,7 @@ def test_the_host_profile_ranks_the_functions_of_a_step_by_their_own_time(monkey
 
 def test_report_prints_the_profile_of_each_path(capsys):
     bench = load_bench()
-    row = bench.row("0.6b", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None)], 100, 1_000_000_000, 4e12, 3, 4.8e12)
+    row = bench.row("0.6b", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None, 0.4)], 100, 1_000_000_000, 4e12, 3, 4.8e12)
     top = [{"name": "split_kernel", "ms_per_step": 0.25, "per_step": 28.0}]
     record = {"device": "NVIDIA H200", "torch": "-", "transformers": "-", "copy_GBps": 4000.0, "prompt": 64,
               "tokens": 100, "results": [row],
