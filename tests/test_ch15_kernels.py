@@ -130,7 +130,7 @@ def test_paged_attention_pads_a_head_dim_that_is_no_power_of_two(head_dim, group
 
 def test_a_request_s_attention_does_not_depend_on_its_batch():
     """The split count is the device's, not the batch's: each request alone gives, bit for bit, what it
-    gives in a batch of 16 (the engine's tokens must not depend on which requests share a step)."""
+    gives in a batch of 16 (its attention must not depend on which requests share its step)."""
     lens = [3, 40, 77, 130, 9, 64, 100, 31, 1, 55, 90, 120, 17, 33, 70, 5]
     q, k_pool, v_pool, table, positions = paged_case(lens, 1, 8, 4, 64, 16, torch.float32)
     batched = paged_attention(q, k_pool, v_pool, table, None, positions, 1)
@@ -321,7 +321,10 @@ def test_a_plain_step_writes_its_new_kv_slots_with_no_copy_of_their_own(monkeypa
     llm = LLM(model="tiny", max_running=3)
     copies, per_batch = [], []
     real = transfer.to_device
-    counted = lambda values, *args: copies.append(len(values)) or real(values, *args)
+
+    def counted(values, *args):
+        copies.append(len(values))
+        return real(values, *args)
     monkeypatch.setattr(transfer, "to_device", counted)
     monkeypatch.setattr(req_to_token, "to_device", counted)
     build = llm.runner.batch
