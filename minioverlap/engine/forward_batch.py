@@ -114,12 +114,16 @@ class ForwardBatch:
     # <<< ch09
 
 
-def allocate_kv(req: Req, num_tokens: int, allocator: PageAllocator, tables: ReqToTokenPool) -> list[int]:
-    """Give req room for num_tokens more tokens: new pages if needed, their KV slots into req_to_token."""
+# >>> ch15 replaces ch02: it only allocates; build_batch writes the batch's slots at once (write_new_slots)
+#| def allocate_kv(req: Req, num_tokens: int, allocator: PageAllocator, tables: ReqToTokenPool) -> list[int]:
+#|     """Give req room for num_tokens more tokens: new pages if needed, their KV slots into req_to_token."""
+def allocate_kv(req: Req, num_tokens: int, allocator: PageAllocator) -> list[int]:
+    """Give req room for num_tokens more tokens: new pages if needed -> their KV slots."""
+# <<< ch15
     start, end = req.seq_len, req.seq_len + num_tokens
     req.pages += allocator.alloc(allocator.pages_for(end) - len(req.pages))
     slots = allocator.kv_slots(req.pages, start, end)
-    # >>> ch15 removes ch02: build_batch writes the whole batch's new slots at once (write_new_slots)
+    # >>> ch15 removes ch02: build_batch writes them, with the whole batch's
     #| tables.write(req.row, start, slots)
     # <<< ch15
     req.seq_len = end
@@ -135,7 +139,10 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     """
     prefix_lens = [r.seq_len for r in reqs]
     extend_lens = [len(r.prompt_ids) - r.seq_len if mode is ForwardMode.EXTEND else 1 for r in reqs]
-    loc = [slot for r, n in zip(reqs, extend_lens) for slot in allocate_kv(r, n, allocator, tables)]
+    # >>> ch15 replaces ch02: allocate_kv no longer writes req_to_token (write_new_slots, below)
+    #| loc = [slot for r, n in zip(reqs, extend_lens) for slot in allocate_kv(r, n, allocator, tables)]
+    loc = [slot for r, n in zip(reqs, extend_lens) for slot in allocate_kv(r, n, allocator)]
+    # <<< ch15
     positions = [p for start, n in zip(prefix_lens, extend_lens) for p in range(start, start + n)]
     rows = [r.row for r in reqs]
     indices = dict(
