@@ -20,10 +20,12 @@ and with graphs on chapter 15's fast path (-kernels); on a shape with an MTP lay
 weights would draft nothing useful), the graphed systems once more, drafting --mtp tokens a step (-mtp).
 Each is warmed up untimed, then they take turns for --repeats timed runs; the table shows medians:
 tokens/s, ms per token (wall time / new tokens: a step's time, except for MTP, which commits several
-tokens a step), that against the HBM bound (the weight bytes a plain decode step reads over the copy
+tokens a step, with the prefill spread over the run), the first token's ms (a run of it alone: the
+prefill) and a decode step's (what each further token adds: (wall - first) / (tokens - 1)), that against the HBM bound (the weight bytes a plain decode step reads over the copy
 bandwidth measured in the same run) and against the datasheet's bound (the same bytes over the
 device's datasheet bandwidth, DATASHEET_BPS), the ratio to hf-compile, for minioverlap the median GPU
-gap between steps and the host's CPU time per step (every phase but `wait`), and for MTP the accept
+gap between steps and the host's CPU time per step (every phase but `wait`; the mean over the run, and
+the median over the decode steps), and for MTP the accept
 length (tok/pass: tokens per pass, the prefill and the verify steps). Results are merged into --out
 after each batch size, so a long sweep can run as several commands, and plotted to --png (tokens/s
 against batch size; by default beside the JSON, --out's or --report's, named as it with .png). Each
@@ -166,10 +168,10 @@ def hf_system(model, prompts: list[list[int]], tokens: int, compiled: bool):
     ids = torch.tensor(prompts, device="cuda")
     extra = {"cache_implementation": "static"} if compiled else {}
 
-    def run() -> None:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+    def run(n: int = tokens) -> None:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0, **extra)
-        assert out.shape == (len(prompts), ids.shape[1] + tokens)
+        assert out.shape == (len(prompts), ids.shape[1] + n)
         assert not compiled or hasattr(model, "_compiled_call"), "transformers did not compile the forward"
     return run, lambda: (None, None, None, None)
 
@@ -183,12 +185,11 @@ def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: 
     k = mtp if spec else 0
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", overlap=loop == "overlap", cuda_graphs=mode != "eager",
               kernels=mode == "kernels", max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16, mtp_steps=k)
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     outs = []
 
-    def run() -> None:
-        outs[:] = llm.generate(prompts, params)
-        assert all(len(o.token_ids) == tokens for o in outs)
+    def run(n: int = tokens) -> None:
+        outs[:] = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        assert all(len(o.token_ids) == n for o in outs)
 
     def probe() -> tuple[float | None, float, float | None, float | None]:
         gaps = llm.trace.gpu_gaps_ms()
@@ -272,18 +273,26 @@ def chrome(shape: str, path: Path, prompt: int, tokens: int, out: Path) -> None:
 
 
 def race(systems: dict, repeats: int) -> dict[str, list[tuple]]:
-    """One untimed warm-up each, then `repeats` rounds taking turns -> (wall s, *probe()) per timed run."""
+    """One untimed warm-up each, then `repeats` rounds taking turns -> (wall s, *probe(), first s) per timed
+    run: a run of every token, its probe, then a run of the first token alone (the prefill and its token)."""
     for run, _ in systems.values():
         run()
+        run(1)
     samples: dict[str, list[tuple]] = {name: [] for name in systems}
     for _ in range(repeats):
         for name, (run, probe) in systems.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            run()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start, *probe()))
+            wall = timed(run)
+            samples[name].append((wall, *probe(), timed(lambda: run(1))))
     return samples
+
+
+def timed(fn) -> float:
+    """Seconds fn takes, the GPU's queued work included."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def median_or_none(values: list) -> float | None:
@@ -302,13 +311,18 @@ def datasheet_bps(device: str) -> float | None:
 
 def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, weight_bytes: int, bw: float,
         mtp: int, datasheet: float | None = None) -> dict:
-    """hbm_ms: the weight bytes over the copy bandwidth measured in the run; bound_ms: over the datasheet's."""
+    """hbm_ms: the weight bytes over the copy bandwidth measured in the run; bound_ms: over the datasheet's.
+    ms_first: a run of the first token alone (the prefill); ms_decode: what each further token adds,
+    (wall - first) / (tokens - 1), the decode step without the prefill that ms_step spreads over the run."""
     wall = statistics.median(s[0] for s in samples)
     ms_step, hbm_ms = wall / tokens * 1e3, weight_bytes / bw * 1e3
     bound_ms = weight_bytes / datasheet * 1e3 if datasheet else None
-    gap, cpu, accept, decode_cpu = (median_or_none([s[i] for s in samples]) for i in (1, 2, 3, 4))
+    gap, cpu, accept, decode_cpu, first = (median_or_none([s[i] if i < len(s) else None for s in samples])
+                                           for i in (1, 2, 3, 4, 5))
+    decode = (wall - first) / (tokens - 1) * 1e3 if first is not None and tokens > 1 else None
     return {"shape": shape, "batch": batch, "system": system, "tok_s": round(batch * tokens / wall, 1),
-            "ms_step": round(ms_step, 4), "hbm_ms": round(hbm_ms, 6), "x_hbm": round(ms_step / hbm_ms, 3),
+            "ms_step": round(ms_step, 4), "ms_first": rounded(first and first * 1e3), "ms_decode": rounded(decode),
+            "hbm_ms": round(hbm_ms, 6), "x_hbm": round(ms_step / hbm_ms, 3),
             "bound_ms": rounded(bound_ms, 6), "x_bound": rounded(bound_ms and ms_step / bound_ms, 3),
             "gap_ms": rounded(gap), "cpu_ms": rounded(cpu), "cpu_ms_decode": rounded(decode_cpu),
             "weights_GB": round(weight_bytes / 1e9, 3),
@@ -393,7 +407,7 @@ def report(record: dict) -> None:
     """One rich table per shape: rows batch x system, with the tokens/s ratio to hf-compile at the same batch."""
     from rich.console import Console
     from rich.table import Table
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 160)
     results = sorted(record["results"], key=order)
     base = {(r["shape"], r["batch"]): r["tok_s"] for r in results if r["system"] == "hf-compile"}
     for shape in dict.fromkeys(r["shape"] for r in results):
@@ -406,8 +420,9 @@ def report(record: dict) -> None:
                               f"copy {record['copy_GBps']:.0f} GB/s; {record['prompt']}-token prompts, "
                               f"{record['tokens']} new tokens each; medians")
         datasheet = any(r.get("x_bound") for r in rows)
-        columns = ["batch", "system", "tok/s", "ms/token", "x HBM"] + ["x datasheet"] * datasheet + [
-            "x hf-compile", "GPU gap ms", "CPU ms/step"]
+        split = any(r.get("ms_decode") for r in rows)          # runs recorded before ms_first and ms_decode: no
+        columns = ["batch", "system", "tok/s", "ms/token"] + ["first ms", "decode ms"] * split + ["x HBM"] + [
+            "x datasheet"] * datasheet + ["x hf-compile", "GPU gap ms", "CPU ms/step"] + ["CPU ms/decode"] * split
         mtp = any("accept" in r for r in rows)
         for name in columns + ["tok/pass"] * mtp:
             table.add_column(name, justify="left" if name == "system" else "right")
@@ -415,9 +430,10 @@ def report(record: dict) -> None:
             ratio = r["tok_s"] / base[shape, r["batch"]] if (shape, r["batch"]) in base else None
             last = i + 1 == len(rows) or rows[i + 1]["batch"] != r["batch"]
             system = f"{r['system']} k={r['mtp']}" if "mtp" in r else r["system"]
-            cells = [str(r["batch"]), system, f"{r['tok_s']:.0f}", f"{r['ms_step']:.2f}", f"{r['x_hbm']:.2f}",
-                     *[fmt(r.get("x_bound"), ".2f")] * datasheet,
-                     fmt(ratio, ".2f", "x"), fmt(r["gap_ms"], ".3f"), fmt(r["cpu_ms"], ".3f")]
+            cells = [str(r["batch"]), system, f"{r['tok_s']:.0f}", f"{r['ms_step']:.2f}",
+                     *[fmt(r.get("ms_first"), ".1f"), fmt(r.get("ms_decode"), ".2f")] * split, f"{r['x_hbm']:.2f}",
+                     *[fmt(r.get("x_bound"), ".2f")] * datasheet, fmt(ratio, ".2f", "x"), fmt(r["gap_ms"], ".3f"),
+                     fmt(r["cpu_ms"], ".3f"), *[fmt(r.get("cpu_ms_decode"), ".3f")] * split]
             table.add_row(*cells, *[fmt(r.get("accept"), ".2f")] * mtp, end_section=last)
         console.print(table)
         for key, path in (("profile", ""), ("profile_kernels", " on the fast path")):

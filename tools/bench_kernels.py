@@ -3,6 +3,7 @@
     python tools/bench_kernels.py                              # the 0.6b and 8b shapes, batch 1 and 16
     python tools/bench_kernels.py --shapes 8b --batches 1 --contexts 128 4096 --out kernels.json
     python tools/bench_kernels.py --report kernels.json        # no GPU: the table of a recorded run
+    python tools/bench_kernels.py --shapes 8b --splits 1 2 4 8 16 32 --batches 1 16 64 --out splits.json
 
 For each model shape (the layer sizes of Qwen3-0.6B and Qwen3-8B, bf16), batch size and context length,
 every group of operations the fast path fuses runs both ways on the same random inputs: the reference
@@ -12,6 +13,9 @@ and replayed, as it runs inside a graphed decode step, so the time is the GPU's,
 microseconds per call, median of 5 replays. Before timing, the two outputs are compared (bf16: within
 two roundings of the largest value). Without CUDA, `check_cases` runs every case in Triton's
 interpreter on a small shape (the tools' tests do).
+
+--splits times only the decode attention, once for each number of splits of the context: what the
+engine's fixed count (kernels/attention.py, num_splits) costs or saves at each batch size and context.
 """
 
 from __future__ import annotations
@@ -150,15 +154,53 @@ def bench(args: argparse.Namespace) -> dict:
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "repeats": args.repeats, "results": rows}
 
 
+def bench_splits(args: argparse.Namespace) -> dict:
+    """The decode attention of each shape, batch size and context, split each of args.splits ways:
+    microseconds per call inside a CUDA graph, as `bench` times it."""
+    from minioverlap.kernels.attention import paged_attention
+    rows = []
+    for shape in args.shapes:
+        hq, hkv, d = SHAPES[shape][2:]
+        for batch in args.batches:
+            for context in args.contexts:
+                g = torch.Generator(device="cpu").manual_seed(0)
+                slots = batch * context + 16
+                k_pool, v_pool = (torch.randn(slots, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in "kv")
+                table = torch.randperm(slots, generator=g)[:batch * context].view(batch, context).to("cuda", torch.int32)
+                q = torch.randn(batch, hq, d, generator=g).to("cuda", torch.bfloat16)
+                positions = torch.full((batch,), context - 1, device="cuda")
+                for splits in args.splits:
+                    us = graph_us(lambda: paged_attention(q, k_pool, v_pool, table, None, positions, 1, splits=splits),
+                                  args.repeats)
+                    rows.append({"shape": shape, "batch": batch, "context": context, "splits": splits, "us": round(us, 2)})
+                    print(rows[-1], flush=True)
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "repeats": args.repeats, "splits": rows}
+
+
 def report(record: dict) -> None:
     from rich.console import Console
     from rich.table import Table
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    if "splits" in record:
+        counts = sorted({r["splits"] for r in record["splits"]})
+        table = Table("shape", "batch", "context", *[f"{n} split{'s' * (n > 1)} us" for n in counts],
+                      title=f"{record['device']}, torch {record['torch']}: decode attention, microseconds per call")
+        us = {(r["shape"], r["batch"], r["context"], r["splits"]): r["us"] for r in record["splits"]}
+        for key in dict.fromkeys((r["shape"], r["batch"], r["context"]) for r in record["splits"]):
+            table.add_row(key[0], str(key[1]), str(key[2]), *[fmt_us(us.get((*key, n))) for n in counts])
+        console.print(table)
+    if "results" not in record:
+        return
     table = Table("shape", "batch", "context", "case", "reference us", "fast us", "speedup", "max error",
                   title=f"{record['device']}, torch {record['torch']}: microseconds per call inside a CUDA graph")
     for r in record["results"]:
         table.add_row(r["shape"], str(r["batch"]), str(r["context"]), r["case"], f"{r['reference_us']:.1f}",
                       f"{r['fast_us']:.1f}", f"{r['reference_us'] / r['fast_us']:.2f}x", f"{r['max_error']:.4f}")
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    console.print(table)
+
+
+def fmt_us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--contexts", nargs="+", type=int, default=[128, 1024, 4096],
                         help="context lengths for attention (the other cases run at the first)")
     parser.add_argument("--repeats", type=int, default=50, help="copies of each call in its CUDA graph")
+    parser.add_argument("--splits", nargs="+", type=int, metavar="N",
+                        help="time only the decode attention, split N ways for each N given (powers of two)")
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--report", metavar="FILE", help="no run: print the table of a recorded JSON")
     args = parser.parse_args(argv)
@@ -176,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be integers >= 1, got {getattr(args, name)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be an integer >= 1, got {args.repeats}")
+    if args.splits and any(n < 1 or n & (n - 1) for n in args.splits):
+        parser.error(f"--splits must be powers of two >= 1, got {args.splits}")
     return args
 
 
@@ -186,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU; --report FILE reads a recorded run")
     else:
-        record = bench(args)
+        record = bench_splits(args) if args.splits else bench(args)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     report(record)
 

@@ -85,11 +85,12 @@ def test_rows_from_hand_made_samples_have_the_hand_computed_bound_ratios_and_tok
     rows = {name: bench.row("0.6b", 4, name, s, tokens, weight_bytes, bw, 3) for name, s in samples.items()}
     common = {"shape": "0.6b", "batch": 4, "hbm_ms": 0.5, "weights_GB": 1.5, "bound_ms": None, "x_bound": None}
     assert rows["hf-compile"] == {**common, "system": "hf-compile", "tok_s": 1000.0, "ms_step": 4.0, "x_hbm": 8.0,
+                                  "ms_first": None, "ms_decode": None,
                                   "gap_ms": None, "cpu_ms": None, "cpu_ms_decode": None}
     assert rows["overlap-graphs"] == {**common, "system": "overlap-graphs", "tok_s": 2000.0, "ms_step": 2.0,
-                                      "x_hbm": 4.0, "gap_ms": 0.02, "cpu_ms": 0.6, "cpu_ms_decode": 0.4}
+                                      "x_hbm": 4.0, "ms_first": None, "ms_decode": None, "gap_ms": 0.02, "cpu_ms": 0.6, "cpu_ms_decode": 0.4}
     assert rows["overlap-graphs-mtp"] == {**common, "system": "overlap-graphs-mtp", "tok_s": 4000.0, "ms_step": 1.0,
-                                          "x_hbm": 2.0, "gap_ms": 0.02, "cpu_ms": 1.0, "cpu_ms_decode": 0.75,
+                                          "x_hbm": 2.0, "ms_first": None, "ms_decode": None, "gap_ms": 0.02, "cpu_ms": 1.0, "cpu_ms_decode": 0.75,
                                           "mtp": 3, "accept": 2.5}
     # the datasheet's bound beside it: 1.5e9 / 4.8e12 = 0.3125 ms, so 2.0 ms a step is 6.4x it
     sheet = bench.row("0.6b", 4, "overlap-graphs", samples["overlap-graphs"], tokens, weight_bytes, bw, 3, 4.8e12)
@@ -104,6 +105,21 @@ def test_rows_from_hand_made_samples_have_the_hand_computed_bound_ratios_and_tok
     assert cells(out, "│ overlap-graphs ") == ["4", "overlap-graphs", "2000", "2.00", "4.00", "2.00x", "0.020", "0.600", "-"]
     assert cells(out, "│ overlap-graphs-mtp") == ["4", "overlap-graphs-mtp k=3", "4000", "1.00", "2.00", "4.00x", "0.020",
                                                 "1.000", "2.50"]
+
+
+def test_a_run_of_the_first_token_alone_separates_the_prefill_from_the_decode_step(capsys):
+    """Samples whose last field is the wall time of a run of the first token alone: a 128-token run of
+    0.27 s whose first token takes 0.016 s adds (0.27 - 0.016) / 127 = 2.0 ms a further token, where
+    ms_step (0.27 / 128) spreads the prefill over the run. The report shows both, and the host's work of a
+    decode step beside its mean."""
+    bench = load_bench()
+    samples = [(0.3, 0.01, 0.9, None, 0.5, 0.02), (0.27, 0.01, 0.8, None, 0.4, 0.016), (0.26, 0.01, 0.7, None, 0.3, 0.01)]
+    r = bench.row("8b", 16, "overlap-kernels", samples, 128, 1_500_000_000, 3e12, 3)
+    assert (r["ms_first"], r["ms_decode"], r["ms_step"]) == (16.0, 2.0, 2.1094)
+    bench.report({"device": "a hand-made record", "torch": "-", "transformers": "-", "copy_GBps": 3000.0,
+                  "prompt": 64, "tokens": 128, "results": [r]})
+    assert cells(capsys.readouterr().out, "│ overlap-kernels") == [
+        "16", "overlap-kernels", "7585", "2.11", "16.0", "2.00", "4.22", "-", "0.010", "0.800", "0.400"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed: no plot")
@@ -211,6 +227,7 @@ def test_the_minioverlap_systems_run_and_probe_with_the_engine_on_a_cpu(monkeypa
     prompts = bench.make_prompts("tiny", path, 2, 16)
     for name in ("normal-graphs", "overlap-graphs-mtp"):
         run, probe = bench.minioverlap_system(path, name, prompts, 12, 3)
+        run(1)                                                   # the first token alone: the prefill's
         run()
         gap, cpu, accept, decode_cpu = probe()
         assert gap is None and cpu > 0 and decode_cpu > 0

@@ -59,8 +59,23 @@ def test_report_reads_a_recorded_run(tmp_path):
                                                                   "5.00x", "0.0039"]
 
 
+def test_report_reads_a_recorded_split_sweep(tmp_path):
+    record = {"device": "a hand-made record", "torch": "-", "repeats": 20, "splits": [
+        {"shape": "8b", "batch": 16, "context": 192, "splits": n, "us": us} for n, us in ((1, 8.9), (2, 9.0), (16, 13.4))]}
+    path = tmp_path / "splits.json"
+    path.write_text(json.dumps(record))
+    done = run_tool("--report", str(path))
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "context" in line)
+    assert [c.strip() for c in header.strip("┃ ").split("┃")][3:] == ["1 split us", "2 splits us", "16 splits us"]
+    line = next(line for line in done.stdout.splitlines() if "192" in line)
+    assert [c.strip() for c in line.strip("│ ").split("│")] == ["8b", "16", "192", "8.9", "9.0", "13.4"]
+
+
 def test_without_cuda_and_without_report_it_says_so_and_bad_arguments_name_the_flag():
     done = run_tool()
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
     done = run_tool("--contexts", "0")
     assert done.returncode == 2 and "--contexts must be integers >= 1, got [0]" in done.stderr
+    done = run_tool("--splits", "4", "3")
+    assert done.returncode == 2 and "--splits must be powers of two >= 1, got [4, 3]" in done.stderr
