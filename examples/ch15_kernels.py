@@ -6,8 +6,9 @@ Part 1 runs every kernel of minioverlap/kernels on small inputs beside the PyTor
 prints the largest difference next to the tolerance the tests hold it to (on a CPU the kernels run in
 Triton's interpreter). Part 2 generates with the tiny model on both paths and compares the tokens.
 Part 3 reads chapters/figures/15-h200.json, the run of tools/bench.py that the chapter explains: the
-Qwen3-8B shape's rows with the Qwen3-0.6B shape's beside them, then the profiles of a step at batch 1
-(its kernels on each path, the host's work on the fast path).
+decode step of the Qwen3-8B shape with the Qwen3-0.6B shape's beside it, the first token's time at
+batch 16, then the profiles of a step at batch 1 (its kernels on each path, the host's work on the
+fast path).
 """
 
 import json
@@ -109,9 +110,10 @@ def recorded() -> None:
         console.print(f"Qwen3-{name} shape: {r['weights_GB']:.2f} GB of weights a step, datasheet bound "
                       f"{r['bound_ms']:.3f} ms, copy bound {r['hbm_ms']:.3f} ms", highlight=False)
     table = Table("batch", "system", *(f"{name}\n{what}" for name in shapes.values()
-                                       for what in ("ms/step", "x bound", "x hf-compile", "host ms")),
-                  caption="ms/step: wall time over new tokens; x bound: over the datasheet bound; "
-                          "host ms: the host's work a step")
+                                       for what in ("decode ms", "x bound", "x hf", "host ms")),
+                  caption="decode ms: what each token after the first adds, (wall - first token's) / "
+                          f"{run['tokens'] - 1}; x bound: over the datasheet bound; x hf: hf-compile's decode step "
+                          "over this one; host ms: the host's work a decode step (median); -: not in this run")
     table.columns[1].no_wrap = True
     for shape, batch, system in rows:
         if shape != "8b" or ("0.6b", batch, system) not in rows:
@@ -119,10 +121,15 @@ def recorded() -> None:
         cells = []
         for other in shapes:
             o, base = rows[other, batch, system], rows[other, batch, "hf-compile"]
-            cells += [f"{o['ms_step']:.2f}", f"{o['x_bound']:.2f}", f"{o['tok_s'] / base['tok_s']:.2f}x",
-                      "-" if o["cpu_ms"] is None else f"{o['cpu_ms']:.2f}"]
+            decode = o.get("ms_decode")
+            cells += [number(decode), number(decode and decode / o["bound_ms"]),
+                      number(decode and base.get("ms_decode") and base["ms_decode"] / decode, "x"),
+                      number(o.get("cpu_ms_decode"))]
         table.add_row(str(batch), system, *cells)
     console.print(table)
+    first = {system: rows["8b", 16, system]["ms_first"] for system in ("hf-compile", "overlap-kernels")}
+    console.print(f"the first token (the prefill) at batch 16, 8B: hf-compile {first['hf-compile']:.1f} ms, "
+                  f"overlap-kernels {first['overlap-kernels']:.1f} ms", highlight=False)
     for key, path in (("profile", "reference"), ("profile_kernels", "fast path")):
         console.print(f"a graphed step at batch 1, {path}: " + "; ".join(
             f"{name} {run[key][shape]['kernels_per_step']:.0f} kernels, {run[key][shape]['gpu_ms_per_step']:.2f} ms"
@@ -132,6 +139,10 @@ def recorded() -> None:
     console.print("the host's work a step at batch 1 on the fast path, profiled: "
                   + ", ".join(f"{name} {host[shape]['plain']}" for shape, name in shapes.items())
                   + f", tiny {host['tiny']['plain']}, with MTP {host['tiny']['mtp']}", highlight=False)
+
+
+def number(value: float | None, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}"
 
 
 kernels()
