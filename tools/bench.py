@@ -19,14 +19,15 @@ overlap loops, each eager and with CUDA graphs on the reference path (kernels=Fa
 and with graphs on chapter 15's fast path (-kernels); on a shape with an MTP layer (only tiny: random
 weights would draft nothing useful), the graphed systems once more, drafting --mtp tokens a step (-mtp).
 Each is warmed up untimed, then they take turns for --repeats timed runs; the table shows medians:
-tokens/s, ms per token (wall time / new tokens: a step's time, except for MTP, which commits several
-tokens a step, with the prefill spread over the run), the first token's ms (a run of it alone: the
-prefill) and a decode step's (what each further token adds: (wall - first) / (tokens - 1)), that against the HBM bound (the weight bytes a plain decode step reads over the copy
-bandwidth measured in the same run) and against the datasheet's bound (the same bytes over the
-device's datasheet bandwidth, DATASHEET_BPS), the ratio to hf-compile, for minioverlap the median GPU
-gap between steps and the host's CPU time per step (every phase but `wait`; the mean over the run, and
-the median over the decode steps), and for MTP the accept
-length (tok/pass: tokens per pass, the prefill and the verify steps). Results are merged into --out
+tokens/s, ms per token (wall time / new tokens, the prefill spread over the run: a step's time,
+except for MTP, which commits several tokens a step), the first token's ms (a run of it alone: the
+prefill) and a decode step's (what each further token adds: (wall - first) / (tokens - 1)), ms per
+token against the HBM bound (the weight bytes a plain decode step reads over the copy bandwidth
+measured in the same run) and against the datasheet's bound (the same bytes over the device's
+datasheet bandwidth, DATASHEET_BPS), the ratio to hf-compile, for minioverlap the median GPU gap
+between steps and the host's CPU time per step (every phase but `wait`: the mean over the run, and
+the median over the decode steps), and for MTP the accept length (tok/pass: tokens per pass, the
+prefill and the verify steps). Results are merged into --out
 after each batch size, so a long sweep can run as several commands, and plotted to --png (tokens/s
 against batch size; by default beside the JSON, --out's or --report's, named as it with .png). Each
 shape runs in a process of its own.
@@ -420,7 +421,7 @@ def report(record: dict) -> None:
                               f"copy {record['copy_GBps']:.0f} GB/s; {record['prompt']}-token prompts, "
                               f"{record['tokens']} new tokens each; medians")
         datasheet = any(r.get("x_bound") for r in rows)
-        split = any(r.get("ms_decode") for r in rows)          # runs recorded before ms_first and ms_decode: no
+        split = any(r.get("ms_decode") for r in rows)     # a run recorded before the first token was timed: no
         columns = ["batch", "system", "tok/s", "ms/token"] + ["first ms", "decode ms"] * split + ["x HBM"] + [
             "x datasheet"] * datasheet + ["x hf-compile", "GPU gap ms", "CPU ms/step"] + ["CPU ms/decode"] * split
         mtp = any("accept" in r for r in rows)
