@@ -37,6 +37,18 @@ SHAPES = {   # hidden, intermediate, q heads, kv heads, head_dim: Qwen3-0.6B, Qw
 }
 
 
+def attention_inputs(shape: str, batch: int, context: int, device: str, dtype: torch.dtype,
+                     g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A decode step's attention at `context` keys a request: q [B, Hq, D], the K and V pools (16 slots to
+    spare), a page table of distinct random slots, and each request's position, the last key's."""
+    hq, hkv, d = SHAPES[shape][2:]
+    slots = batch * context + 16
+    k_pool, v_pool = (torch.randn(slots, hkv, d, generator=g).to(device=device, dtype=dtype) for _ in "kv")
+    table = torch.randperm(slots, generator=g)[:batch * context].view(batch, context).to(device=device, dtype=torch.int32)
+    q = torch.randn(batch, hq, d, generator=g).to(device=device, dtype=dtype)
+    return q, k_pool, v_pool, table, torch.full((batch,), context - 1, device=device)
+
+
 def cases(shape: str, batch: int, context: int, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[Callable, Callable]]:
     """name -> (reference, fast path): zero-argument functions over the same inputs, each returning its output."""
     from minioverlap.engine.attention import decode_attention, window_attention
@@ -59,16 +71,12 @@ def cases(shape: str, batch: int, context: int, device: str, dtype: torch.dtype 
     w_gate, w_up = randn(inter, hidden) * 0.02, randn(inter, hidden) * 0.02
     w_gate_up = torch.cat([w_gate, w_up])
     qkv, norms = randn(batch, (hq + 2 * hkv) * d), randn(2, d)
-    positions = torch.full((batch,), context - 1, device=device)
-    cos, sin = rope_cos_sin(positions, d, 1e6)
     gate_up = randn(batch, 2 * inter)
-    slots = batch * context + 16
-    k_pool, v_pool = randn(slots, hkv, d), randn(slots, hkv, d)
-    loc = torch.randperm(slots, generator=g)[:batch].to(device)
+    q, k_pool, v_pool, table, positions = attention_inputs(shape, batch, context, device, dtype, g)
+    cos, sin = rope_cos_sin(positions, d, 1e6)
+    loc = torch.randperm(len(k_pool), generator=g)[:batch].to(device)
     k_new, v_new = randn(batch, hkv, d), randn(batch, hkv, d)
-    table = torch.randperm(slots, generator=g)[:batch * context].view(batch, context).to(device=device, dtype=torch.int32)
     seq_lens = torch.full((batch,), context, device=device)
-    q = randn(batch, hq, d)
     window = 4
     q_w = randn(batch * window, hq, d)
     positions_w = (torch.arange(window, device=device) + context - window).repeat(batch)
@@ -160,15 +168,10 @@ def bench_splits(args: argparse.Namespace) -> dict:
     from minioverlap.kernels.attention import paged_attention
     rows = []
     for shape in args.shapes:
-        hq, hkv, d = SHAPES[shape][2:]
         for batch in args.batches:
             for context in args.contexts:
                 g = torch.Generator(device="cpu").manual_seed(0)
-                slots = batch * context + 16
-                k_pool, v_pool = (torch.randn(slots, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in "kv")
-                table = torch.randperm(slots, generator=g)[:batch * context].view(batch, context).to("cuda", torch.int32)
-                q = torch.randn(batch, hq, d, generator=g).to("cuda", torch.bfloat16)
-                positions = torch.full((batch,), context - 1, device="cuda")
+                q, k_pool, v_pool, table, positions = attention_inputs(shape, batch, context, "cuda", torch.bfloat16, g)
                 for splits in args.splits:
                     us = graph_us(lambda: paged_attention(q, k_pool, v_pool, table, None, positions, 1, splits=splits),
                                   args.repeats)
