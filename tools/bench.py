@@ -318,8 +318,7 @@ def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, 
     wall = statistics.median(s[0] for s in samples)
     ms_step, hbm_ms = wall / tokens * 1e3, weight_bytes / bw * 1e3
     bound_ms = weight_bytes / datasheet * 1e3 if datasheet else None
-    gap, cpu, accept, decode_cpu, first = (median_or_none([s[i] if i < len(s) else None for s in samples])
-                                           for i in (1, 2, 3, 4, 5))
+    gap, cpu, accept, decode_cpu, first = (median_or_none([s[i] for s in samples]) for i in (1, 2, 3, 4, 5))
     decode = (wall - first) / (tokens - 1) * 1e3 if first is not None and tokens > 1 else None
     return {"shape": shape, "batch": batch, "system": system, "tok_s": round(batch * tokens / wall, 1),
             "ms_step": round(ms_step, 4), "ms_first": rounded(first and first * 1e3), "ms_decode": rounded(decode),

@@ -70,17 +70,20 @@ def cells(text: str, *parts: str) -> list[str]:
 
 
 def test_rows_from_hand_made_samples_have_the_hand_computed_bound_ratios_and_tokens_per_second(capsys):
-    """bench.row on samples (wall s, GPU gap, CPU ms/step, accept) made by hand, batch 4 of 128 tokens,
-    1.5 GB of weights at 3 TB/s: the bound is 1.5e9 / 3e12 = 0.5 ms whatever the batch; overlap-graphs'
-    median wall 0.256 s is 2.0 ms a step, 4x the bound, 4 * 128 / 0.256 = 2000 tok/s; hf-compile's 0.512 s
+    """bench.row on samples (wall s, GPU gap, CPU ms/step, accept, decode CPU ms, first s) made by hand,
+    batch 4 of 128 tokens, 1.5 GB of weights at 3 TB/s: the bound is 1.5e9 / 3e12 = 0.5 ms whatever the
+    batch; overlap-graphs' median wall 0.256 s is 2.0 ms a step, 4x the bound, 4 * 128 / 0.256 = 2000 tok/s; hf-compile's 0.512 s
     is 1000 tok/s, so the report shows overlap-graphs at 2.00x it; MTP's 0.128 s is 1.0 ms a token.
     Medians skip the probes that gave None; a system with none has none."""
     bench = load_bench()
     tokens, weight_bytes, bw = 128, 1_500_000_000, 3e12
     samples = {
-        "hf-compile": [(0.6, None, None, None, None), (0.512, None, None, None, None), (0.5, None, None, None, None)],
-        "overlap-graphs": [(0.4, 0.01, 0.5, None, 0.3), (0.256, None, 0.7, None, 0.5), (0.25, 0.03, 0.6, None, 0.4)],
-        "overlap-graphs-mtp": [(0.128, 0.02, 0.9, 2.5, 0.8), (0.2, 0.02, 1.1, 3.0, 0.7), (0.1, 0.02, 1.0, 2.0, None)],
+        "hf-compile": [(0.6, None, None, None, None, None), (0.512, None, None, None, None, None),
+                       (0.5, None, None, None, None, None)],
+        "overlap-graphs": [(0.4, 0.01, 0.5, None, 0.3, None), (0.256, None, 0.7, None, 0.5, None),
+                           (0.25, 0.03, 0.6, None, 0.4, None)],
+        "overlap-graphs-mtp": [(0.128, 0.02, 0.9, 2.5, 0.8, None), (0.2, 0.02, 1.1, 3.0, 0.7, None),
+                               (0.1, 0.02, 1.0, 2.0, None, None)],
     }
     rows = {name: bench.row("0.6b", 4, name, s, tokens, weight_bytes, bw, 3) for name, s in samples.items()}
     common = {"shape": "0.6b", "batch": 4, "hbm_ms": 0.5, "weights_GB": 1.5, "bound_ms": None, "x_bound": None}
@@ -264,7 +267,7 @@ def test_the_host_profile_ranks_the_functions_of_a_step_by_their_own_time(monkey
     times = [t["ms_per_step"] for t in prof["top"]]
     assert prof["host_ms_per_step"] > 0 and len(times) == 10 and times == sorted(times, reverse=True) and times[0] > 0
     assert all(t["calls_per_step"] > 0 for t in prof["top"])
-    row = bench.row("tiny", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None, 0.4)], 6, 1_000_000, 4e12, 3)
+    row = bench.row("tiny", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None, 0.4, None)], 6, 1_000_000, 4e12, 3)
     bench.report({"device": "-", "torch": "-", "transformers": "-", "copy_GBps": 4000.0, "prompt": 8, "tokens": 6,
                   "results": [row], "profile_host": {"tiny": {"plain": prof}}})
     out = capsys.readouterr().out
@@ -274,7 +277,7 @@ def test_the_host_profile_ranks_the_functions_of_a_step_by_their_own_time(monkey
 
 def test_report_prints_the_profile_of_each_path(capsys):
     bench = load_bench()
-    row = bench.row("0.6b", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None, 0.4)], 100, 1_000_000_000, 4e12, 3, 4.8e12)
+    row = bench.row("0.6b", 1, "overlap-kernels", [(0.1, 0.001, 0.5, None, 0.4, None)], 100, 1_000_000_000, 4e12, 3, 4.8e12)
     top = [{"name": "split_kernel", "ms_per_step": 0.25, "per_step": 28.0}]
     record = {"device": "NVIDIA H200", "torch": "-", "transformers": "-", "copy_GBps": 4000.0, "prompt": 64,
               "tokens": 100, "results": [row],
