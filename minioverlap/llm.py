@@ -40,10 +40,11 @@ from minioverlap.device.hazard import HazardChecker
 # <<< ch08
 # >>> ch09: the MTP drafter, and the runner that speculates with it
 from minioverlap.engine.speculative import SpecRunner
-from minioverlap.model.mtp import load_mtp
+from minioverlap.model.mtp import MTPLayer, load_mtp
 # <<< ch09
 # >>> ch15: the fast path
 from minioverlap.config import use_kernels
+from minioverlap.engine.backend import backend
 # <<< ch15
 
 class LLM:
@@ -56,11 +57,10 @@ class LLM:
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(self.args.device)
         self.dtype = _resolve_dtype(self.args.dtype, self.device, self.model_dir)
-        self.model = load_model(self.model_dir, self.dtype, self.device)
-        # >>> ch15: the fast path (kernels=None: on for CUDA, off for CPU)
-        if use_kernels(self.args):
-            from minioverlap.model.fused import enable_kernels          # Triton: only on the fast path
-            enable_kernels(self.model)
+        # >>> ch15 replaces ch01: the fast path or the reference, chosen once (kernels=None: on for CUDA, off for CPU)
+        #| self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.backend = backend(use_kernels(self.args))
+        self.model = load_model(self.model_dir, self.dtype, self.device, self.backend.model)
         # <<< ch15
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -72,6 +72,10 @@ class LLM:
         self.unstarted: dict[int, bool] = {}     # a stream's requests until its run starts: uid -> aborted
         # <<< ch04
         # >>> ch02: the paged cache
+        # >>> ch03 replaces ch02: many request slots
+        #| self.max_running = 1
+        self.max_running = self.args.max_running
+        # <<< ch03
         self.runner = self.make_runner()
         # <<< ch02
         # >>> ch13: the decode (or verify) step captured as CUDA graphs (on for CUDA unless cuda_graphs=False)
@@ -86,22 +90,30 @@ class LLM:
     def make_runner(self) -> ModelRunner:
         """The model runner with its pool of pages and its request slots (one before chapter 03); from
         chapter 09, with mtp_steps, the runner that speculates with the MTP drafter."""
-        # >>> ch03 replaces ch02: many request slots
-        #| self.max_running = 1
-        self.max_running = self.args.max_running
-        # <<< ch03
         sizes = dict(num_pages=self.args.num_pages, page_size=self.args.page_size, max_running=self.max_running,
                      max_seq_len=self.max_seq_len,
                      # >>> ch08: the guards, and the checker for everything that records accesses
                      guards=self.args.resolved_guards(), hazards=HazardChecker() if self.args.hazard_check else None,
                      # <<< ch08
+                     # >>> ch15: the attention context of the path chosen at load
+                     attention=self.backend.attention,
+                     # <<< ch15
                      )
         # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
         if self.args.mtp_steps:
-            return SpecRunner(self.model, load_mtp(self.model_dir, self.model), self.args.mtp_steps, **sizes)
+            return SpecRunner(self.model, self.load_drafter(), self.args.mtp_steps, **sizes)
         # <<< ch09
         return ModelRunner(self.model, **sizes)
     # <<< ch02
+    # >>> ch09: the MTP drafter
+
+    def load_drafter(self) -> MTPLayer:
+        """The checkpoint's MTP layer (a ValueError if it has none)."""
+        # >>> ch15 replaces ch09: of the class chosen at load
+        #| return load_mtp(self.model_dir, self.model)
+        return load_mtp(self.model_dir, self.model, self.backend.mtp)
+        # <<< ch15
+    # <<< ch09
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.processor.encode(prompt)

@@ -26,7 +26,8 @@ from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.kernels.attention import paged_attention
 from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
 from minioverlap.kernels.kv_store import store_kv
-from minioverlap.model.fused import merge_projections
+from minioverlap.engine.triton_attention import TritonAttention
+from minioverlap.model.fused import FusedMTPLayer, FusedQwen3ForCausalLM, merge_projections
 from minioverlap.model.qwen3 import Attention, MLP, Qwen3Config, RMSNorm, apply_rope, rope_cos_sin
 from test_ch08_fence import slot_handover
 
@@ -236,8 +237,9 @@ def test_the_fast_path_tokens_equal_the_reference(overlap, mtp_steps):
     engine = dict(model="tiny", overlap=overlap, mtp_steps=mtp_steps, page_size=4)
     ref = LLM(**engine, kernels=False)
     fast = LLM(**engine, kernels=True)
-    assert fast.model.kernels and fast.runner.kv_pool.kernels and not ref.runner.kv_pool.kernels
-    assert not mtp_steps or (fast.runner.draft_kv_pool.kernels and hasattr(fast.runner.mtp.self_attn, "qkv_weight"))
+    assert isinstance(fast.model, FusedQwen3ForCausalLM) and fast.runner.attention_class is TritonAttention
+    assert not isinstance(ref.model, FusedQwen3ForCausalLM) and ref.runner.attention_class is PagedAttention
+    assert not mtp_steps or (isinstance(fast.runner.mtp, FusedMTPLayer) and hasattr(fast.runner.mtp.self_attn, "qkv_weight"))
     got = [(o.token_ids, o.verify_steps) for o in fast.generate(PROMPTS, params)]
     assert got == [(o.token_ids, o.verify_steps) for o in ref.generate(PROMPTS, params)]    # the same drafts, too
     fast.check_integrity()

@@ -15,25 +15,13 @@ import torch
 
 class KVPool:
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device,
-                 # >>> ch15: the fast path: Triton kernels store and read this pool
-                 kernels: bool = False,
-                 # <<< ch15
-                 ) -> None:
+                 dtype: torch.dtype, device: str | torch.device) -> None:
         shape = (num_slots, kv_heads, head_dim)
-        # >>> ch15: the fast path
-        self.kernels = kernels
-        # <<< ch15
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the K and V of this step's tokens [T, kv_heads, head_dim] at KV slots loc [T]."""
-        # >>> ch15: both in one kernel (Triton, imported only on the fast path)
-        if self.kernels:
-            from minioverlap.kernels.kv_store import store_kv
-            return store_kv(self.k[layer_id], self.v[layer_id], loc, k, v)
-        # <<< ch15
         self.k[layer_id][loc] = k
         self.v[layer_id][loc] = v
 

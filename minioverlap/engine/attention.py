@@ -27,13 +27,8 @@ class PagedAttention:
         self.kv_pool, self.page_table, self.batch = kv_pool, page_table, batch
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.kv_pool.store(layer_id, self.batch.out_cache_loc, k, v)
-        # >>> ch15: the fast path: a decode step or a verify window in the Triton kernels (a prefill stays here)
-        if self.kv_pool.kernels and self.batch.mode is not ForwardMode.EXTEND:
-            from minioverlap.kernels.attention import paged_attention      # Triton: only on the fast path
-            return paged_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_table, None,
-                                   self.batch.positions, window=len(q) // len(self.page_table))
-        # <<< ch15
+        """One layer's attention over the step: its new K and V stored first, then read back with the rest."""
+        self.store(layer_id, k, v)
         if self.batch.mode is ForwardMode.DECODE:
             return decode_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_table,
                                     self.batch.seq_lens)
@@ -43,6 +38,10 @@ class PagedAttention:
                                     self.batch.positions)
         # <<< ch09
         return self.extend_attention(layer_id, q)
+
+    def store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's new K and V [T, kv_heads, head_dim] into the pool at their slots (out_cache_loc)."""
+        self.kv_pool.store(layer_id, self.batch.out_cache_loc, k, v)
 
     def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
         """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, read through its row."""

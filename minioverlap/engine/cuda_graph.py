@@ -25,10 +25,11 @@ from typing import Callable
 
 import torch
 
-from minioverlap.cache.kv_pool import KVPool
 from minioverlap.engine.attention import PagedAttention
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
+
+Context = Callable[[torch.Tensor, ForwardBatch], PagedAttention]    # (page_table, batch) -> the runner's context
 
 
 def capture(device: torch.device, forward: Callable[[], None], pool=None) -> torch.cuda.CUDAGraph:
@@ -94,20 +95,21 @@ class StaticInputs:
 class DecodeGraphs:
     """One captured decode forward per bucket, over one set of static buffers."""
 
-    def __init__(self, model: Qwen3ForCausalLM, kv_pool: KVPool, table: torch.Tensor, max_running: int) -> None:
-        """Graphs of `model`'s decode forward over `kv_pool`, for page tables as wide as req_to_token (`table`)."""
+    def __init__(self, model: Qwen3ForCausalLM, context: Context, table: torch.Tensor, max_running: int) -> None:
+        """Graphs of `model`'s decode forward through the runner's attention contexts over its KV pool
+        (`context`), for page tables as wide as req_to_token (`table`)."""
         self.buckets, device = graph_buckets(max_running), table.device
         self.inputs = StaticInputs(self.buckets[-1], table.shape[1], model.config.vocab_size, table.dtype, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for b in reversed(self.buckets):                 # the largest first: the others reuse its memory
-            self.graphs[b] = capture(device, self.forward(model, kv_pool, b), pool)
+            self.graphs[b] = capture(device, self.forward(model, context, b), pool)
             pool = self.graphs[b].pool()
 
-    def forward(self, model: Qwen3ForCausalLM, kv_pool: KVPool, b: int) -> Callable[[], None]:
+    def forward(self, model: Qwen3ForCausalLM, context: Context, b: int) -> Callable[[], None]:
         """What bucket b's graph records: the model over its static batch, logits into the buffer."""
         batch, inputs = self.inputs.batch(b), self.inputs
-        ctx = PagedAttention(kv_pool, inputs.page_table[:b], batch)
+        ctx = context(inputs.page_table[:b], batch)
 
         def forward() -> None:
             inputs.logits[:b] = model.compute_logits(model(inputs.input_ids[:b], batch.positions, ctx))
@@ -148,9 +150,9 @@ class SpecGraphs:
     holds b*W window rows (W = k+1); a padded request's W rows read token 0 at position 0 and write KV
     slot 0, as a padded decode row does."""
 
-    def __init__(self, draft: Callable, target: Callable, extend_rows: Callable, *, kv_pool: KVPool,
+    def __init__(self, draft: Callable, target: Callable, extend_rows: Callable, *, context: Context,
                  table: torch.Tensor, hidden: torch.Tensor, window: int, max_running: int) -> None:
-        """Graphs of the three eager passes over `kv_pool`, for page tables as wide as req_to_token
+        """Graphs of the three eager passes through the runner's attention contexts (`context`), for page tables as wide as req_to_token
         (`table`) and MTP hidden states like the relay's (`hidden`)."""
         self.buckets, self.window = graph_buckets(max_running), window
         n, W, dev = self.buckets[-1], window, table.device
@@ -167,7 +169,7 @@ class SpecGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ...]] = {}
         pool = None
         for b in reversed(self.buckets):
-            passes = self.passes(b, PagedAttention(kv_pool, self.page_table[:b], self.batch(b)), draft, target, extend_rows)
+            passes = self.passes(b, context(self.page_table[:b], self.batch(b)), draft, target, extend_rows)
             self.graphs[b] = tuple(capture(dev, forward, pool) for forward in passes)
             pool = self.graphs[b][0].pool()
 

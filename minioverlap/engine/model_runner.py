@@ -9,6 +9,10 @@ handles the results; it reaches the device only through the runner's methods.
 
 from __future__ import annotations
 
+# >>> ch13: CUDA graphs
+from functools import partial
+# <<< ch13
+
 import torch
 
 from minioverlap.cache.allocator import PageAllocator
@@ -48,6 +52,9 @@ class ModelRunner:
                  # >>> ch08: the guards, and the checker, given to everything that records accesses
                  guards: Guards = Guards(), hazards: HazardChecker | None = None,
                  # <<< ch08
+                 # >>> ch15: the attention context's class, chosen once at load (the fast path's, or PagedAttention)
+                 attention: type[PagedAttention] = PagedAttention,
+                 # <<< ch15
                  ) -> None:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), sized here (num_pages=None: enough pages for every
@@ -61,11 +68,10 @@ class ModelRunner:
                      max_running, max_seq_len, str(weight.device))
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv_pool = KVPool(c.num_hidden_layers, num_pages * page_size, c.num_key_value_heads, c.head_dim,
-                              weight.dtype, weight.device,
-                              # >>> ch15: the fast path's kernels store and read the pool if the model takes it
-                              kernels=model.kernels,
-                              # <<< ch15
-                              )
+                              weight.dtype, weight.device)
+        # >>> ch15: the fast path
+        self.attention_class = attention
+        # <<< ch15
         # >>> ch08 replaces ch02: the guards; the checker sees every access to the tables
         #| self.tables = ReqToTokenPool(max_running, max_seq_len, weight.device)
         self.guards, self.hazards = guards, hazards
@@ -117,7 +123,14 @@ class ModelRunner:
 
     def attention(self, batch: ForwardBatch) -> PagedAttention:
         """The step's attention context, with its page table read once, before any layer runs."""
-        return PagedAttention(self.kv_pool, self.tables.page_table(batch), batch)
+        return self.context(self.kv_pool, self.tables.page_table(batch), batch)
+
+    def context(self, kv_pool: KVPool, page_table: torch.Tensor, batch: ForwardBatch) -> PagedAttention:
+        """An attention context over a pool: the one place one is made (a step's, a drafter's, a graph's)."""
+        # >>> ch15 replaces ch02: of the class chosen at load
+        #| return PagedAttention(kv_pool, page_table, batch)
+        return self.attention_class(kv_pool, page_table, batch)
+        # <<< ch15
     # >>> ch03: the inputs are read from token_pool
 
     def read_inputs(self, batch: ForwardBatch) -> torch.Tensor:
@@ -210,7 +223,7 @@ class ModelRunner:
 
     def init_graphs(self, max_running: int) -> None:
         """Capture, once per batch-size bucket, the decode step's forward (a CUDA device only)."""
-        self.graphs = DecodeGraphs(self.model, self.kv_pool, self.tables.req_to_token, max_running)
+        self.graphs = DecodeGraphs(self.model, partial(self.context, self.kv_pool), self.tables.req_to_token, max_running)
 
     def graphs_for(self, batch: ForwardBatch) -> DecodeGraphs | None:
         """The captured graphs if the step fits them, else None: the one place a step is graph or eager."""

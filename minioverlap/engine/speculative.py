@@ -45,6 +45,8 @@ from minioverlap.engine.forward_batch import resolve_window
 from minioverlap.engine.relay import Relay
 # <<< ch10
 # >>> ch13: CUDA graphs
+from functools import partial
+
 from minioverlap.engine.cuda_graph import SpecGraphs
 # <<< ch13
 
@@ -63,10 +65,7 @@ class SpecRunner(ModelRunner):
         self.mtp, self.mtp_steps = mtp, mtp_steps
         super().__init__(model, max_seq_len=max_seq_len + window_slack(mtp_steps), **sizes)
         k = self.kv_pool.k[0]
-        # >>> ch15 replaces ch09: the drafter's attention takes the fast path with the target's
-        #| self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device)
-        self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device, self.kv_pool.kernels)
-        # <<< ch15
+        self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device)
         # >>> ch10: the relay, one row per request slot
         self.relay = Relay(self.tables.req_to_token.shape[0], mtp.eh_proj.out_features, k.dtype, self.device,
                            self.hazards)
@@ -155,7 +154,7 @@ class SpecRunner(ModelRunner):
         drafts = [token]
         for i in range(1, self.mtp_steps):
             row = draft_row(batch, i - 1)
-            hidden = self.mtp(token, hidden, row.positions, PagedAttention(self.draft_kv_pool, ctx.page_table, row))
+            hidden = self.mtp(token, hidden, row.positions, self.context(self.draft_kv_pool, ctx.page_table, row))
             token = self.mtp.compute_logits(hidden).argmax(dim=-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
@@ -184,7 +183,7 @@ class SpecRunner(ModelRunner):
     def extend_rows(self, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, last: torch.Tensor,
                     page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over the rows -> from each request's `last` row its next first draft [B] and hidden state."""
-        out = self.mtp(next_ids, hidden, batch.positions, PagedAttention(self.draft_kv_pool, page_table, batch))[last]
+        out = self.mtp(next_ids, hidden, batch.positions, self.context(self.draft_kv_pool, page_table, batch))[last]
         return self.mtp.compute_logits(out).argmax(dim=-1), out
 
     def stash_drafts(self, batch: ForwardBatch, first: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -226,7 +225,7 @@ class SpecRunner(ModelRunner):
 
     def init_graphs(self, max_running: int) -> None:
         """Capture, once per batch-size bucket, the verify step's three passes (a CUDA device only)."""
-        self.graphs = SpecGraphs(self.draft, self.target, self.extend_rows, kv_pool=self.kv_pool,
+        self.graphs = SpecGraphs(self.draft, self.target, self.extend_rows, context=partial(self.context, self.kv_pool),
                                  table=self.tables.req_to_token, hidden=self.relay.hidden, window=self.mtp_steps + 1,
                                  max_running=max_running)
     # <<< ch13

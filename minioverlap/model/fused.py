@@ -13,9 +13,10 @@ The same weights and the same arithmetic, in fewer kernels. Per layer:
     gate_proj, up_proj, SiLU, x                   one matrix product, silu_mul
     down_proj, residual add                       down_proj          (the add goes into the next norm)
 
-`merge_projections` makes the merged weights once, at load, and points the reference's q/k/v and
-gate/up weights at slices of them: both paths read the same memory, nothing is stored twice. The MTP
-layer of chapter 09 (a decoder layer with an input mixer and an output norm) takes the same path.
+The fast path is a pair of classes, picked once at load (engine/backend.py): FusedQwen3ForCausalLM and
+FusedMTPLayer are the reference's classes with their forward through these kernels. Loading their
+weights (load_state_dict) makes the merged weights once and points the reference's q/k/v and gate/up
+weights at slices of them: both paths read the same memory, nothing is stored twice.
 """
 
 from __future__ import annotations
@@ -25,13 +26,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from minioverlap.kernels.elementwise import add_rms_norm, qk_norm_rope, silu_mul
+from minioverlap.model.mtp import MTPLayer
 from minioverlap.model.qwen3 import AttentionContext, Attention, DecoderLayer, MLP, Qwen3ForCausalLM, rope_cos_sin
 
 
-def enable_kernels(model: Qwen3ForCausalLM) -> None:
-    """The model's forward from now on takes the fast path (Qwen3ForCausalLM.forward asks `kernels`)."""
-    merge_projections(model)
-    model.kernels = True
+class MergedAtLoad(nn.Module):
+    """Loading the weights (load_state_dict, as the loaders do) also makes the merged ones."""
+
+    def load_state_dict(self, state: dict, *args, **kwargs):
+        out = super().load_state_dict(state, *args, **kwargs)
+        merge_projections(self)
+        return out
+
+
+class FusedQwen3ForCausalLM(MergedAtLoad, Qwen3ForCausalLM):
+    """The Qwen3 decoder with every layer through the fused kernels (fused_layer)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids and positions [T] -> hidden [T, H], as Qwen3ForCausalLM.forward. Each layer hands on its
+        MLP output and the residual stream apart: the next norm adds them (add_rms_norm)."""
+        c = self.config
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            x, residual = fused_layer(layer, x, residual, cos, sin, ctx)
+        return add_rms_norm(x, residual, self.model.norm.weight, c.rms_norm_eps)[0]
+
+
+class FusedMTPLayer(MergedAtLoad, MTPLayer):
+    """The MTP layer (model/mtp.py) with its decoder layer and output norm through the fused kernels."""
+
+    def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        h, residual = fused_layer(self, x, None, cos, sin, ctx)
+        return add_rms_norm(h, residual, self.shared_head.norm.weight, self.shared_head.norm.eps)[0]
 
 
 def merge_projections(model: nn.Module) -> None:
@@ -55,24 +82,6 @@ def merged(*parts: nn.Module) -> torch.Tensor:
         p.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
         start += n
     return weight
-
-
-def fused_forward(model: Qwen3ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                  ctx: AttentionContext) -> torch.Tensor:
-    """Qwen3ForCausalLM.forward through the fused kernels: input_ids and positions [T] -> hidden [T, H]."""
-    c = model.config
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-    x, residual = model.model.embed_tokens(input_ids), None
-    for layer in model.model.layers:
-        x, residual = fused_layer(layer, x, residual, cos, sin, ctx)
-    return add_rms_norm(x, residual, model.model.norm.weight, c.rms_norm_eps)[0]
-
-
-def fused_mtp_layer(mtp: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    ctx: AttentionContext) -> torch.Tensor:
-    """The MTP layer's decoder layer and its own output norm (model/mtp.py) through the fused kernels."""
-    h, residual = fused_layer(mtp, x, None, cos, sin, ctx)
-    return add_rms_norm(h, residual, mtp.shared_head.norm.weight, mtp.shared_head.norm.eps)[0]
 
 
 def fused_layer(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,

@@ -204,11 +204,19 @@ def read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, torch.Te
     return tensors
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> Qwen3ForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
+               # >>> ch15: the model's class, chosen once at load (the fast path's, or the reference)
+               model_class: type[Qwen3ForCausalLM] = Qwen3ForCausalLM,
+               # <<< ch15
+               ) -> Qwen3ForCausalLM:
     """Build the model from config.json and fill every parameter from the safetensors files."""
     config = load_config(model_dir)
+    # >>> ch15 replaces ch01: of the class chosen at load
+    #| with torch.device("meta"):
+    #|     model = Qwen3ForCausalLM(config)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = model_class(config)
+    # <<< ch15
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     if config.tie_word_embeddings:
         del expected["lm_head.weight"]

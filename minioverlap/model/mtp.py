@@ -55,26 +55,33 @@ class MTPLayer(DecoderLayer):
         cos, sin = rope_cos_sin(positions, target.config.head_dim, target.config.rope_theta)
         embeds = target.model.embed_tokens(input_ids)
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
-        # >>> ch15: the layer through the fused kernels when the target takes the fast path
-        if target.kernels:
-            from minioverlap.model.fused import fused_mtp_layer        # Triton: only on the fast path
-            return fused_mtp_layer(self, x, cos, sin, ctx)
-        # <<< ch15
+        return self.block(x, cos, sin, ctx)
+
+    def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The decoder layer over the mixed input, then the output norm."""
         return self.shared_head.norm(super().forward(x, cos, sin, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target[0].compute_logits(hidden)
 
 
-def load_mtp(model_dir: Path, target: Qwen3ForCausalLM) -> MTPLayer:
+def load_mtp(model_dir: Path, target: Qwen3ForCausalLM,
+             # >>> ch15: the layer's class, chosen once at load (the fast path's, or this one)
+             mtp_class: type[MTPLayer] = MTPLayer,
+             # <<< ch15
+             ) -> MTPLayer:
     """The checkpoint's first MTP layer, on the target's device and in its dtype. A checkpoint without one
     is a ValueError naming it."""
     c = target.config
     if c.num_nextn_predict_layers < 1:
         raise ValueError(f"mtp_steps > 0 needs an MTP layer, but {model_dir} has none "
                          f"(config.json: num_nextn_predict_layers = {c.num_nextn_predict_layers})")
+    # >>> ch15 replaces ch09: of the class chosen at load
+    #| with torch.device("meta"):
+    #|     mtp = MTPLayer(target)
     with torch.device("meta"):
-        mtp = MTPLayer(target)
+        mtp = mtp_class(target)
+    # <<< ch15
     prefix, files = f"model.layers.{c.num_hidden_layers}.", weight_files(model_dir)
     expected = {prefix + name: tuple(p.shape) for name, p in mtp.state_dict().items()}
     missing = [name for name in expected if name not in files]
@@ -85,9 +92,4 @@ def load_mtp(model_dir: Path, target: Qwen3ForCausalLM) -> MTPLayer:
     weight = target.model.embed_tokens.weight
     state = {name[len(prefix):]: t.to(device=weight.device, dtype=weight.dtype) for name, t in tensors.items()}
     mtp.load_state_dict(state, assign=True)
-    # >>> ch15: merged projections for the fast path, as the target's
-    if target.kernels:
-        from minioverlap.model.fused import merge_projections          # Triton: only on the fast path
-        merge_projections(mtp)
-    # <<< ch15
     return mtp.eval()

@@ -173,9 +173,6 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     """The decoder plus the LM head. forward() returns hidden states; compute_logits() the scores."""
-    # >>> ch15: the fast path, once fused.enable_kernels has merged the projections
-    kernels = False
-    # <<< ch15
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
@@ -187,11 +184,6 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids and positions [T] -> final hidden states [T, hidden] (after the last norm)."""
-        # >>> ch15: the same layers through the fused kernels (imported here: fused.py builds on this file)
-        if self.kernels:
-            from minioverlap.model.fused import fused_forward
-            return fused_forward(self, input_ids, positions, ctx)
-        # <<< ch15
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids)
         # >>> ch14: cast once a step, not in every layer's apply_rope (two launches each, for q and for k)

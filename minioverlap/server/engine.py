@@ -167,7 +167,7 @@ class EngineLoop:
             problems = str(err)
         return Report(not (sched.busy or sched.in_flight or sched.deferred), problems, runner.free_pages,
                       runner.usable_pages, runner.free_rows, self.llm.max_running, dict(self.finishes),
-                      self.llm.model.kernels)
+                      self.llm.backend.kernels)
 
 
 def tokens(reply: Reply) -> Tokens:
