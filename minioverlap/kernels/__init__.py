@@ -1,7 +1,7 @@
 # >>> ch15 file: the fast path's kernels
 """Triton kernels for the decode step (chapter 15), each beside the PyTorch code it replaces.
 
-    kv_store.py      a step's K and V into the KV pool at their slots (KVPool.store)
+    kv_store.py      a step's K and V into the KV pool at their slots (PagedAttention.store)
     attention.py     paged attention over the page table, split over the context and merged with the
                      log-sum-exp rescale: a decode step (one query a request) and a verify window (k+1)
     elementwise.py   add + RMSNorm, q/k RMSNorm + RoPE, SiLU x up: each group one kernel
