@@ -51,7 +51,9 @@ ID_PATTERN = re.compile(r"\d{2}\.\d+")
 SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?: - (.*))?$")
 EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt|Warning)\b")
 FILE_LINE = re.compile(r'^File "(.+)", line (\d+)')
-SECTION_HEAD = re.compile(r"^_{3,} (?:ERROR (?:collecting|at \w+ of) )?(.+?) _{3,}$")
+# `____ test_x ____`: pytest centres a head in underscores, as few as one each side for a long name
+# (`_ test_a_long_name[case] _`); a traceback's `_ _ _ _` between frames is no head
+SECTION_HEAD = re.compile(r"^_+ (?:ERROR (?:collecting|at \w+ of) )?([^_ ].*?) _+$")
 LOCATION_LINE = re.compile(r"^(\S+\.py):(\d+): \w+$")     # `tests/test_x.py:89: AssertionError`
 MAX_DETAIL_LINES = 12      # of a failure's report; `test ID --verbose` shows pytest's whole output
 
