@@ -513,12 +513,17 @@ class Verdict:
     problems: list[str]
 
 
-def cmd_check(root: Path, jobs: int) -> int:
+def cmd_check(root: Path, jobs: int, only: list[str] | None = None) -> int:
     """Structure first (registry against markers), then nbgrader's check both ways: every stub
-    fails every test of its exercise, every reference passes them all."""
+    fails every test of its exercise, every reference passes them all. `only`: the exercises whose
+    stubs and references run; the structure is checked for all."""
     exercises = load_exercises(root)
+    if unknown := sorted(set(only or ()) - {ex.id for ex in exercises}):
+        raise JudgeError(f"no exercise {', '.join(unknown)}; the exercises: {', '.join(ex.id for ex in exercises)}")
     verdicts = {ex.id: Verdict(ex, []) for ex in exercises}
     general = check_structure(root, exercises, verdicts)
+    if only:     # the others' structural problems are still reported
+        verdicts = {ex_id: v for ex_id, v in verdicts.items() if ex_id in only or v.problems}
     with tempfile.TemporaryDirectory(prefix="judge-check-") as tmp:
         todo = [v for v in verdicts.values() if not v.problems]
         references = build_references(root, todo, Path(tmp))
@@ -742,6 +747,7 @@ def parser() -> argparse.ArgumentParser:
     reveal.add_argument("--all", action="store_true", dest="show_all", help="every hint, the solution last")
     check = commands.add_parser("check", parents=[common],
                                 help="the author's check: stubs fail, references pass")
+    check.add_argument("ids", nargs="*", metavar="ID", help="only these exercises' stubs and references")
     check.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="pytest runs at once")
     return main
 
@@ -758,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_test(root, args.id, args.whole_stage, args.verbose)
         if args.command == "hint":
             return cmd_hint(root, args.id, args.show_all, args.solution)
-        return cmd_check(root, args.jobs)
+        return cmd_check(root, args.jobs, args.ids)
     except (JudgeError, steps.MarkerError, OSError) as error:
         Console(stderr=True, soft_wrap=True, highlight=False).print(f"[red]error:[/] {escape(str(error))}")
         return 2

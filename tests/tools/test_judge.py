@@ -314,6 +314,14 @@ def test_check_fails_when_a_hint_before_the_last_writes_the_solution(book_copy, 
 # ---------------------------------------------------------------- the author's check fails
 
 
+def test_check_of_named_exercises_runs_only_those_and_refuses_an_unknown_one(book_copy, capsys):
+    """`check 02.1` proves 02.1 alone; `check 09.9` names the exercises there are."""
+    code, out, _ = run(capsys, book_copy, "check", "02.1")
+    assert code == 0 and "✔ 02.1 shout a text" in out and out.rstrip().endswith("1 passed, 0 failed")
+    code, _, err = run(capsys, book_copy, "check", "09.9")
+    assert code == 2 and "no exercise 09.9; the exercises: 02.1" in err
+
+
 def test_check_fails_when_a_registry_exercise_has_no_marker(book_copy, capsys):
     """An exercise listed in practice/exercises.toml but never marked in the source fails the check."""
     add_exercise(book_copy, f'id = "02.2"\ntitle = "ghost"\ntests = ["{TEST_NODE}"]\nhints = ["boo"]\n')
