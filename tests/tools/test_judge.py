@@ -203,7 +203,8 @@ def test_a_long_parametrized_test_name_keeps_its_failures_details(book_copy, cap
         "import pytest\n\nfrom minibook import shout\n\n\n"
         "@pytest.mark.parametrize('text,want', [('hi there, every reader', 'HI THERE, EVERY READER!')])\n"
         f"def {name}(text, want):\n    assert shout(text) == want\n")
-    edit(book_copy / "practice/exercises.toml", f'tests = ["{TEST_NODE}"]', f'tests = ["tests/test_ch02_long.py::{name}"]')
+    edit(book_copy / "practice/exercises.toml", f'tests = ["{TEST_NODE}"]',
+         f'tests = ["tests/test_ch02_long.py::{name}"]')
     run(capsys, book_copy, "start", "02.1")
     solve(book_copy, "return text.upper()")
     _, out, _ = run(capsys, book_copy, "test", "02.1", "--verbose")
