@@ -51,7 +51,9 @@ ID_PATTERN = re.compile(r"\d{2}\.\d+")
 SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?: - (.*))?$")
 EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt|Warning)\b")
 FILE_LINE = re.compile(r'^File "(.+)", line (\d+)')
-SECTION_HEAD = re.compile(r"^_{3,} (?:ERROR (?:collecting|at \w+ of) )?(.+?) _{3,}$")
+# `____ test_x ____`: pytest centres a head in underscores, as few as one each side for a long name
+# (`_ test_a_long_name[case] _`); a traceback's `_ _ _ _` between frames is no head
+SECTION_HEAD = re.compile(r"^_+ (?:ERROR (?:collecting|at \w+ of) )?([^_ ].*?) _+$")
 LOCATION_LINE = re.compile(r"^(\S+\.py):(\d+): \w+$")     # `tests/test_x.py:89: AssertionError`
 MAX_DETAIL_LINES = 12      # of a failure's report; `test ID --verbose` shows pytest's whole output
 
@@ -511,12 +513,17 @@ class Verdict:
     problems: list[str]
 
 
-def cmd_check(root: Path, jobs: int) -> int:
+def cmd_check(root: Path, jobs: int, only: list[str] | None = None) -> int:
     """Structure first (registry against markers), then nbgrader's check both ways: every stub
-    fails every test of its exercise, every reference passes them all."""
+    fails every test of its exercise, every reference passes them all. `only`: the exercises whose
+    stubs and references run; the structure is checked for all."""
     exercises = load_exercises(root)
+    if unknown := sorted(set(only or ()) - {ex.id for ex in exercises}):
+        raise JudgeError(f"no exercise {', '.join(unknown)}; the exercises: {', '.join(ex.id for ex in exercises)}")
     verdicts = {ex.id: Verdict(ex, []) for ex in exercises}
     general = check_structure(root, exercises, verdicts)
+    if only:     # the others' structural problems are still reported
+        verdicts = {ex_id: v for ex_id, v in verdicts.items() if ex_id in only or v.problems}
     with tempfile.TemporaryDirectory(prefix="judge-check-") as tmp:
         todo = [v for v in verdicts.values() if not v.problems]
         references = build_references(root, todo, Path(tmp))
@@ -740,6 +747,7 @@ def parser() -> argparse.ArgumentParser:
     reveal.add_argument("--all", action="store_true", dest="show_all", help="every hint, the solution last")
     check = commands.add_parser("check", parents=[common],
                                 help="the author's check: stubs fail, references pass")
+    check.add_argument("ids", nargs="*", metavar="ID", help="only these exercises' stubs and references")
     check.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="pytest runs at once")
     return main
 
@@ -756,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_test(root, args.id, args.whole_stage, args.verbose)
         if args.command == "hint":
             return cmd_hint(root, args.id, args.show_all, args.solution)
-        return cmd_check(root, args.jobs)
+        return cmd_check(root, args.jobs, args.ids)
     except (JudgeError, steps.MarkerError, OSError) as error:
         Console(stderr=True, soft_wrap=True, highlight=False).print(f"[red]error:[/] {escape(str(error))}")
         return 2

@@ -65,6 +65,24 @@ def test_the_kv_store_writes_each_token_at_its_slot_and_nothing_else(dtype, kv_h
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)     # a copy: bit for bit
 
 
+@pytest.mark.parametrize("kv_heads,head_dim", [(3, 16), (2, 48)])
+def test_the_kv_store_masks_a_row_that_is_no_power_of_two_wide(kv_heads, head_dim):
+    """kv_heads x head_dim = 48 or 96: the kernel's lanes, a power of two, reach past the row. The lanes
+    past it must neither store (into the next slot, which the test checks is untouched) nor load."""
+    slots, T = 40, 3
+    loc = torch.tensor([5, 20, 11], device=DEVICE)                     # each slot's next one is not written
+    qkv = randn(T, 5 * kv_heads * head_dim, dtype=torch.float32)
+    k = qkv[:, :kv_heads * head_dim].view(T, kv_heads, head_dim)
+    v = qkv[:, 3 * kv_heads * head_dim:4 * kv_heads * head_dim].view(T, kv_heads, head_dim)
+    k_pool, v_pool = (randn(slots, kv_heads, head_dim, dtype=torch.float32, seed=s) for s in (1, 2))
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref[loc], v_ref[loc] = k, v
+    store_kv(k_pool, v_pool, loc, k, v)
+    untouched = torch.equal(k_pool[loc + 1], k_ref[loc + 1]) and torch.equal(v_pool[loc + 1], v_ref[loc + 1])
+    assert untouched, "the slot after a stored token's changed: the lanes past kv_heads x head_dim stored"
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
 def test_the_kv_store_reads_its_slots_from_a_strided_view():
     """loc as a column of a wider tensor (MTP's draft rows take window row j of every request this way):
     each token's own slot, not the next element in memory."""
@@ -118,6 +136,20 @@ def test_splits_past_a_short_request_weigh_nothing(splits):
     q, k_pool, v_pool, table, positions = paged_case([3, 40], 1, 2, 2, 16, 16, torch.float32)
     want = window_attention(q, k_pool, v_pool, table, positions)
     close(paged_attention(q, k_pool, v_pool, table, None, positions, 1, splits=splits), want)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_the_merge_holds_scores_whose_exp_overflows(splits):
+    """Every score near 100 (a shared component of q and k): a split's lse is past 88, where exp overflows
+    fp32. The merge must weigh the splits by exp(lse - the largest lse), as the split kernel subtracts its
+    running maximum, or inf / inf makes the output nan."""
+    q, k_pool, v_pool, table, positions = paged_case([5, 70], 1, 2, 2, 16, 4, torch.float32)
+    q[..., 0], k_pool[..., 0] = 20.0, 20.0                # 20 x 20 x 16 ** -0.5 = 100 added to every score
+    want = window_attention(q, k_pool, v_pool, table, positions)
+    got = paged_attention(q, k_pool, v_pool, table, None, positions, 1, splits=splits)
+    finite = bool(got.isfinite().all())
+    assert finite, "the output holds nan or inf: the merge's weights overflowed, exp(lse) is inf"
+    close(got, want)
 
 
 @pytest.mark.parametrize("head_dim,group", [(8, 4), (48, 1), (24, 2)])

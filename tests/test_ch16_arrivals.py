@@ -1,9 +1,11 @@
 # >>> ch16 file: requests that arrive while the loop runs
 """The receive step made real: Scheduler.run(overlap, receive) calls `receive` at the top of every
-iteration, as a server's scheduler process does. A request that arrives while a step runs joins the
-next step the loop schedules: step N+1 in the normal loop, N+2 in the overlap loop (N+1 was launched
-before it arrived). Tokens do not depend on when a request arrives; an abort that arrives while the
-request's last step is in flight frees it once (mini-sglang PR #111)."""
+iteration, as a server's scheduler process does. A request that the receive step takes while step N is
+in flight joins the next step the loop launches, N+1, in both loops; in the overlap loop its prefill's
+token is handled only after step N+2 is launched. (On a GPU the overlap loop launches N+1 early in step
+N, so a request that arrives later in step N waits for N+2.) Tokens do not depend on when a request
+arrives; an abort that arrives while the request's last step is in flight frees it once (the double
+free of mini-sglang's open PR #111)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def test_in_the_normal_loop_an_arrival_joins_the_next_step():
     assert [e.uids for e in llm.trace if e.kind == "schedule"] == [(0,), (0,), (1,), (0, 1), (0,)]
 
 
-def test_in_the_overlap_loop_an_arrival_joins_the_step_after_next():
+def test_in_the_overlap_loop_an_arrival_joins_the_next_launch_and_its_token_waits_one_more():
     """B arrives while step 2 runs: step 2 was launched without it, and step 3 is its prefill; step 3's
     token is handled only after step 4 is launched. B's first token comes one launch later than in the
     normal loop: the price of overlap for a new request's time to first token."""
@@ -116,7 +118,7 @@ def test_receive_saying_stop_aborts_what_is_left(overlap):
 def test_an_abort_that_arrives_with_the_last_step_in_flight_ends_the_request_once():
     """A (3 tokens) has its last step, 3, in flight when its client's abort arrives (after iteration 3, before
     step 3 is handled): the abort frees it; step 3's token then changes nothing. One last reply, one
-    free: mini-sglang's PR #111 fixed a double free here, chapter 07's stale-reply in a real server."""
+    free: the double free that mini-sglang's PR #111 (open) reports here, chapter 07's stale-reply in a real server."""
     llm = LLM("tiny", overlap=True)
     [a] = llm.make_requests(["def fibonacci(n):"], SamplingParams(max_tokens=3, ignore_eos=True))
     [b] = llm.make_requests(["import os\n"], SamplingParams(max_tokens=6, ignore_eos=True))

@@ -61,7 +61,7 @@ OPEN_CH = re.compile(r"ch(?P<ch>\d+)(?: fix (?P<fix>[\w.-]+))?(?: (?P<kind>repla
 OPEN_FILE = re.compile(r"ch(?P<ch>\d+) file:(?: .*)?$")
 OPEN_EXERCISE = re.compile(r"exercise (?P<id>(?P<ch>\d+)\.\d+)(?: from ch(?P<start>\d+))?: (?P<title>\S.*)$")
 CLOSE = re.compile(r"ch(?P<ch>\d+)$|exercise (?P<id>\d+\.\d+)$")
-SNIPPET = re.compile(r"^<!-- snippet: (?P<ref>\S+) -->\s*$")
+SNIPPET = re.compile(r"^<!-- snippet: (?P<ref>\S+)(?: stub (?P<stub>\d+\.\d+))? -->\s*$")
 NAMED = {"tests": re.compile(r"test_ch(\d+)_.*\.py$"), "examples": re.compile(r"ch(\d+)_"),
          "chapters": re.compile(r"(\d+)-.*\.md$")}
 
@@ -797,13 +797,13 @@ def tail(result: subprocess.CompletedProcess, lines: int = 25, stderr: bool = Tr
 
 # ---------------------------------------------------------------- snippets
 
-def snippet_source(stage: Path, ref: str) -> list[str]:
+def snippet_source(stage: Path, ref: str, text: str | None = None) -> list[str]:
     """The lines that `path`, `path::Name` or `path::Class.method` names in a stage: exact source,
-    decorators included, methods dedented."""
+    decorators included, methods dedented; `text` is the file's text where it is not the stage's (a stub)."""
     rel, _, name = ref.partition("::")
-    if not (Path(stage) / rel).is_file():
+    if text is None and not (Path(stage) / rel).is_file():
         raise MarkerError(f"{rel} is not in the stage")
-    lines = (Path(stage) / rel).read_text().splitlines()
+    lines = (Path(stage) / rel).read_text().splitlines() if text is None else text.splitlines()
     if not name:
         return lines
     body: list[ast.stmt] = ast.parse("\n".join(lines)).body
@@ -817,10 +817,23 @@ def snippet_source(stage: Path, ref: str) -> list[str]:
     return textwrap.dedent("\n".join(lines[start - 1:node.end_lineno])).splitlines()
 
 
-def check_markdown(md: Path, stage: Path, rel: str) -> tuple[list[str], str]:
+def stub_text(book: Book, rel: str, chapter: int, exercise: str) -> str:
+    """A file of stage `chapter` with exercise `exercise`'s region as the learner gets it: the stub."""
+    if rel not in book.sources:
+        raise MarkerError(f"{rel} is not in the stage")
+    stubbed: set[str] = set()
+    text = stage_text(book, rel, chapter, stub=exercise, stubbed=stubbed)
+    if exercise not in stubbed:
+        raise MarkerError(f"{rel} holds no region of exercise {exercise} in the stage")
+    return text
+
+
+def check_markdown(md: Path, stage: Path, rel: str, book: Book | None = None,
+                   chapter: int | None = None) -> tuple[list[str], str]:
     """Compare every snippet block of one chapter with its stage, every figure with its recorded run and
     every quote with the chapter's transcripts (and read the transcripts' markers, which
-    check_transcripts runs); returns (errors, the text with the snippets repaired)."""
+    check_transcripts runs); returns (errors, the text with the snippets repaired). A snippet
+    `REF stub NN.K` shows exercise NN.K's stub, the contract without the answer (it needs `book`)."""
     lines, errors, out, i = md.read_text().splitlines(), [], [], 0
     while i < len(lines):
         out.append(lines[i])
@@ -834,7 +847,10 @@ def check_markdown(md: Path, stage: Path, rel: str) -> tuple[list[str], str]:
             continue
         shown = lines[i + 1:end]
         try:
-            source = snippet_source(stage, m["ref"])
+            if m["stub"] and book is None:
+                raise MarkerError("a stub snippet needs the book's source")
+            text = stub_text(book, m["ref"].partition("::")[0], chapter, m["stub"]) if m["stub"] else None
+            source = snippet_source(stage, m["ref"], text)
         except (MarkerError, SyntaxError) as e:
             errors.append(f"{where}: {e}")
             source = shown
@@ -1255,7 +1271,7 @@ def cmd_check(root: Path, chapters: str | None, proofs: bool, timeout: float) ->
                                     stages.get(earlier[-1]) if earlier else None)
         for rel, n in chapter_markdowns(book):
             if n in stages:
-                errors, _ = check_markdown(book.root / rel, stages[n], rel)
+                errors, _ = check_markdown(book.root / rel, stages[n], rel, book, n)
                 report.add(f"snippets ch{n:02d}", not errors, "\n".join(errors))
                 errors = output_errors(book, rel, stages[n], timeout)
                 if errors is not None:
@@ -1472,11 +1488,11 @@ def cmd_snippets(book: Book, write: bool) -> int:
     with tempfile.TemporaryDirectory(prefix="steps-snippets-") as tmp:
         for rel, n in chapter_markdowns(book):
             stage, path = _build(book, n, Path(tmp) / f"ch{n:02d}"), book.root / rel
-            errors, fixed = check_markdown(path, stage, rel)
+            errors, fixed = check_markdown(path, stage, rel, book, n)
             if write and fixed != path.read_text():
                 path.write_text(fixed)
                 say(f"rewrote {rel}", "yellow")
-                errors, _ = check_markdown(path, stage, rel)
+                errors, _ = check_markdown(path, stage, rel, book, n)
             count += sum(bool(SNIPPET.match(line)) for line in fixed.splitlines())
             figures += sum(len(FIG.findall(line)) + len(QUOTE.findall(line)) for line in fixed.splitlines())
             wrong += len(errors)

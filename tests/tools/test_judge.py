@@ -195,6 +195,34 @@ def test_a_long_assertion_is_shown_whole_up_to_a_limit_and_verbose_shows_everyth
     assert "more lines" not in out
 
 
+def test_a_long_parametrized_test_name_keeps_its_failures_details(book_copy, capsys):
+    """pytest centres a long test's section head in one or two underscores a side, not three: the
+    judge still finds its section and shows where it failed and the assertion with its values."""
+    name = "test_shout_uppercases_every_letter_and_adds_exactly_one_bang_at_the_end_of_the_text"
+    (book_copy / "tests/test_ch02_long.py").write_text(
+        "import pytest\n\nfrom minibook import shout\n\n\n"
+        "@pytest.mark.parametrize('text,want', [('hi there, every reader', 'HI THERE, EVERY READER!')])\n"
+        f"def {name}(text, want):\n    assert shout(text) == want\n")
+    edit(book_copy / "practice/exercises.toml", f'tests = ["{TEST_NODE}"]',
+         f'tests = ["tests/test_ch02_long.py::{name}"]')
+    run(capsys, book_copy, "start", "02.1")
+    solve(book_copy, "return text.upper()")
+    _, out, _ = run(capsys, book_copy, "test", "02.1", "--verbose")
+    heads = [line for line in out.splitlines() if name in line and line.startswith("_")]
+    assert heads and all(not line.startswith("___ ") for line in heads)      # the long head pytest prints
+    _, out, _ = run(capsys, book_copy, "test", "02.1")
+    assert "practice/workspace/02.1/tests/test_ch02_long.py:8" in out
+    assert "> assert shout(text) == want" in out
+    assert "AssertionError: assert 'HI THERE, EVERY READER' == 'HI THERE, EVERY READER!'" in out
+
+
+def test_a_traceback_s_frame_separator_is_no_section_head():
+    """`_ _ _ _` between a traceback's frames does not start a section: the failure's lines go on."""
+    assert judge.SECTION_HEAD.match("_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _") is None
+    assert judge.SECTION_HEAD.match("_ test_a[x] _")[1] == "test_a[x]"
+    assert judge.SECTION_HEAD.match("____ ERROR collecting tests/test_x.py ____")[1] == "tests/test_x.py"
+
+
 def test_start_twice_without_force_refuses_and_keeps_the_learners_file(book_copy, capsys):
     """A second `start` would erase the learner's work: it refuses unless --force."""
     run(capsys, book_copy, "start", "02.1")
@@ -285,6 +313,14 @@ def test_check_fails_when_a_hint_before_the_last_writes_the_solution(book_copy, 
 
 
 # ---------------------------------------------------------------- the author's check fails
+
+
+def test_check_of_named_exercises_runs_only_those_and_refuses_an_unknown_one(book_copy, capsys):
+    """`check 02.1` proves 02.1 alone; `check 09.9` names the exercises there are."""
+    code, out, _ = run(capsys, book_copy, "check", "02.1")
+    assert code == 0 and "✔ 02.1 shout a text" in out and out.rstrip().endswith("1 passed, 0 failed")
+    code, _, err = run(capsys, book_copy, "check", "09.9")
+    assert code == 2 and "no exercise 09.9; the exercises: 02.1" in err
 
 
 def test_check_fails_when_a_registry_exercise_has_no_marker(book_copy, capsys):

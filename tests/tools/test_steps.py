@@ -547,6 +547,25 @@ def test_snippet_naming_a_missing_function_is_an_error(book_copy: Path) -> None:
         in result.stdout
 
 
+def test_a_stub_snippet_shows_the_exercise_without_its_answer(book_copy: Path) -> None:
+    """`REF stub 02.1` shows shout as the learner gets it: the signature, the docstring and the stub's
+    raise. The answer shown under it is drift that --write replaces; an exercise the file lacks is an error."""
+    chapter = book_copy / "chapters" / "02-windows.md"
+    edit(chapter, "<!-- snippet: minibook/words.py::shout -->", "<!-- snippet: minibook/words.py::shout stub 02.1 -->")
+    result = run_steps(book_copy, "snippets")
+    assert result.returncode == 1
+    assert "chapters/02-windows.md:14: snippet minibook/words.py::shout: drifted" in result.stdout
+    assert run_steps(book_copy, "snippets", "--write").returncode == 0
+    text = chapter.read_text()
+    assert '    """`text` in capitals, with one exclamation mark."""\n    raise NotImplementedError("exercise 02.1: ' \
+           'shout a text")\n```' in text
+    assert "text.upper()" not in text
+    edit(chapter, "shout stub 02.1", "shout stub 02.2")
+    result = run_steps(book_copy, "snippets")
+    assert result.returncode == 1
+    assert "minibook/words.py holds no region of exercise 02.2 in the stage" in result.stdout
+
+
 # ---------------------------------------------------------------- diff and tree
 
 def test_diff_2_shows_the_added_function_and_file(book: Path) -> None:
