@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import minioverlap.engine.speculative as speculative
+import minioverlap.speculative.runner as speculative
 from minioverlap import LLM, SamplingParams
 
 PROMPT, TOKENS, K = "def fibonacci(n):", 48, 3

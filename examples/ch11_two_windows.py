@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from minioverlap import LLM, SamplingParams
-from minioverlap.engine.forward_batch import ForwardMode, reservation_end, window_slack
+from minioverlap.engine.forward_batch import ForwardMode
+from minioverlap.speculative.verify_batch import reservation_end, window_slack
 
 K = 3
 W = K + 1                                          # a verify window: the bonus token and k drafts

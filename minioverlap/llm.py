@@ -39,7 +39,7 @@ from minioverlap.scheduler.scheduler import Reply, Scheduler
 from minioverlap.device.hazard import HazardChecker
 # <<< ch08
 # >>> ch09: the MTP drafter, and the runner that speculates with it
-from minioverlap.engine.speculative import SpecRunner
+from minioverlap.speculative.runner import SpecRunner
 from minioverlap.model.mtp import MTPLayer, load_mtp
 # <<< ch09
 # >>> ch15: the fast path

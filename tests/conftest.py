@@ -152,8 +152,8 @@ def one_thread():
 def window_slack(k: int) -> int:
     """KV positions past a request's last token that its verify windows may need, by hand: the k of its
     last window (chapter 09); from chapter 11, where the host reserves two windows past its count, 2k+1."""
-    forward_batch = importlib.import_module("minioverlap.engine.forward_batch")     # chapter 02 on
-    return 2 * k + 1 if hasattr(forward_batch, "reservation_end") else k
+    verify_batch = importlib.import_module("minioverlap.speculative.verify_batch")  # chapter 09 on
+    return 2 * k + 1 if hasattr(verify_batch, "reservation_end") else k
 
 
 def spec_overlap() -> bool:

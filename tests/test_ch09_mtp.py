@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from conftest import assert_as_fresh, no_hang, probe_tokens, random_checkpoint, run_example, spec_overlap, window_slack
 from minioverlap import LLM, SamplingParams
-from minioverlap.engine import accept as accept_rules
-from minioverlap.engine import speculative
-from minioverlap.engine.accept import accept, accept_greedy, accept_sampled
+from minioverlap.speculative import accept as accept_rules
+from minioverlap.speculative import runner as speculative
+from minioverlap.speculative.accept import accept, accept_greedy, accept_sampled
 from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import adjusted_probs
 from minioverlap.model.mtp import load_mtp

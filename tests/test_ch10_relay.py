@@ -12,7 +12,7 @@ from conftest import run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.device.hazard import HazardChecker, HazardError
 from minioverlap.engine.forward_batch import ForwardMode
-from minioverlap.engine.relay import Relay
+from minioverlap.speculative.relay import Relay
 
 PROMPTS = ["def fibonacci(n):", [5, 6, 7], "import os\n\ndef list_files(path):", [9] * 20, "class Stack:"]
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import no_hang, run_example, spec_overlap
 from minioverlap import LLM, SamplingParams
-from minioverlap.engine.forward_batch import reservation_end
+from minioverlap.speculative.verify_batch import reservation_end
 
 K = 3
 W = K + 1                      # a window: the bonus token and k drafts

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from conftest import no_hang, run_example
 from minioverlap import LLM, SamplingParams
 from minioverlap.engine import cuda_graph
+from minioverlap.speculative import graphs
 from minioverlap.engine.cuda_graph import StaticInputs, bucket_for, graph_buckets
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -105,8 +106,9 @@ def stand_in(monkeypatch):
     """A stand-in for torch.cuda.CUDAGraph on a CPU: `capture` keeps the function it would record and
     `replay` runs it again, over the same static buffers, which is what a replay computes (without the
     launches it saves). The buckets, the padding and the eager glue between replays run as on a GPU."""
-    monkeypatch.setattr(cuda_graph, "capture", lambda device, forward, pool=None:
-                        SimpleNamespace(replay=forward, pool=lambda: None))
+    for module in (cuda_graph, graphs):              # the decode step's graphs and the verify step's
+        monkeypatch.setattr(module, "capture", lambda device, forward, pool=None:
+                            SimpleNamespace(replay=forward, pool=lambda: None))
 
     def engine(**options) -> LLM:
         llm = LLM(model="tiny", device="cpu", **options)

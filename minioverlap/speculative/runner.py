@@ -31,23 +31,24 @@ import torch
 
 from minioverlap.cache.kv_pool import KVPool
 from minioverlap.device.streams import Event
-from minioverlap.engine.accept import accept
 from minioverlap.engine.attention import PagedAttention
-from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode, build_verify_batch, window_slack
+from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import sample
 from minioverlap.engine.step import StepOutput
 from minioverlap.model.mtp import MTPLayer
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
+from minioverlap.speculative.accept import accept
+from minioverlap.speculative.verify_batch import build_verify_batch, window_slack
 # >>> ch10: the relay
-from minioverlap.engine.forward_batch import resolve_window
-from minioverlap.engine.relay import Relay
+from minioverlap.speculative.relay import Relay
+from minioverlap.speculative.verify_batch import resolve_window
 # <<< ch10
 # >>> ch13: CUDA graphs
 from functools import partial
 
-from minioverlap.engine.cuda_graph import SpecGraphs
+from minioverlap.speculative.graphs import SpecGraphs
 # <<< ch13
 
 
