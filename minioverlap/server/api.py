@@ -126,9 +126,14 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
         shape.rid, shape.prompt_tokens = rids[0], len(ids)
         choices = Choices([Choice(i, rid, Detokenizer(served.processor.decode), StopText(req.stop))
                            for i, rid in enumerate(rids)])
-        if req.stream:
+        if not req.stream:
+            return await gather(engine, request, queue, choices, shape)
+        try:
             return await sse(stream(engine, queue, choices, shape, req.include_usage), served.grace)
-        return await gather(engine, request, queue, choices, shape)
+        except Exception:                        # no stream to send: its requests must not run for nobody
+            for rid in choices.running():
+                engine.abort(rid)
+            raise
 
     return app
 
