@@ -179,7 +179,8 @@ def serve(args: argparse.Namespace, console: Console) -> None:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
-        run_server(options, host=args.host, port=args.port, first_tokens_first=args.first_tokens_first)
+        run_server(options, host=args.host, port=args.port, first_tokens_first=args.first_tokens_first,
+                   max_body_bytes=args.max_body_bytes)
     except RuntimeError as err:          # the scheduler process could not build the engine: its error
         raise ValueError(str(err)) from None
 # <<< ch16
@@ -231,6 +232,8 @@ def parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
     serve_cmd.add_argument("--port", type=int, default=8000, help="the port to listen on (default: %(default)s)")
     serve_cmd.add_argument("--loop", choices=("normal", "overlap"), help="the scheduler loop (default: the engine's)")
+    serve_cmd.add_argument("--max-body-bytes", type=int, help="the largest request body; a larger one gets 413 "
+                           "(default: 64 bytes per token of the context, at least 1 MiB)")
     serve_cmd.add_argument("--max-running", type=int, help="request slots: the most requests running at once "
                            "(default: the engine's); the others wait in the queue")
     serve_cmd.add_argument("--max-seq-len", type=int, help="the most tokens of one request, prompt included "

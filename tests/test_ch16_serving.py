@@ -1,6 +1,6 @@
 # >>> ch16 file: a real server and the official client
 """`minioverlap serve` behind the official `openai` client: the same tokens as LLM.generate, streamed or
-whole, text or token-id prompts, chat through a chat template; a client that leaves aborts its request,
+whole, text or token-id prompts, chat through the checkpoint's chat template, n choices, stop strings; a client that leaves aborts its request,
 running or still queued; SIGTERM and SIGINT stop both processes cleanly."""
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -18,11 +21,9 @@ import pytest
 from minioverlap.llm import LLM
 from minioverlap.sampling_params import SamplingParams
 from tests.conftest import CODE_PROMPTS, TINY
-from tests.serving import Server
+from tests.serving import ROOT, Server
 
 pytestmark = pytest.mark.process
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module", params=["normal", "overlap"])
@@ -162,34 +163,107 @@ def test_the_engine_is_as_good_as_new_after_clients_left(client, reference):
         == expected.text
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    """The tiny checkpoint with a ChatML chat template."""
-    path = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    shutil.copytree(TINY, path)
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|endoftext|>"}))
-    return path
-
-
-def test_chat_renders_the_template_and_streams(chat_model):
+def test_chat_renders_the_checkpoints_template_and_streams(client):
+    """The tiny checkpoint's ChatML template (tokenizer_config.json), rendered by transformers: the reply
+    is LLM.generate's for the rendered prompt."""
     prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef fibonacci(n):<|im_end|>\n<|im_start|>assistant\n"
-    expected = LLM(str(chat_model)).generate(prompt, SamplingParams(max_tokens=16))[0]
+    expected = LLM("tiny").generate(prompt, SamplingParams(max_tokens=16))[0]
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "def fibonacci(n):"}]}]
-    s = Server("--model", str(chat_model))
+    out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16, temperature=0)
+    assert out.choices[0].message.content == expected.text and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_n_choices_are_n_requests_seeded_seed_plus_i(client):
+    """n=3 with seed 7: choice i is what LLM.generate samples with seed 7 + i (vLLM's rule); usage adds up."""
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=7 + i) for i in range(3)]
+    expected = LLM("tiny").generate(["def f(x):"] * 3, params)
+    out = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [e.text for e in expected]
+    assert out.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, temperature=1.0, seed=7,
+                                            n=3, stream=True))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)] \
+        == [e.text for e in expected]
+
+
+def test_a_stop_string_ends_the_text_before_it(client, reference):
+    """The text ends before the first stop string, which is not sent; finish_reason "stop"."""
+    prompt, expected = next((p, e) for p, e in reference.items() if "\n" in e.text.strip("\n"))
+    stop = "\n"
+    cut = expected.text[:expected.text.index(stop)] if not expected.text.startswith(stop) else ""
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "@@@"])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    word = expected.text.split()[2]                  # a stop string inside the text, across tokens maybe
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=word,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text[:expected.text.index(word)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_client_that_leaves_a_stream_of_n_choices_aborts_them_all(server, client):
+    before = server.wait_idle()["finishes"].get("abort", 0)
+    stream = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=1000, temperature=0, n=2,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 4:
+            break
+    stream.close()
+    report = server.wait_idle(30)
+    assert report["finishes"].get("abort", 0) == before + 2
+    assert report["free_pages"] == report["usable_pages"] and report["free_rows"] == report["max_running"]
+
+
+@pytest.mark.skipif("logprobs" not in SamplingParams.__dataclass_fields__,
+                    reason="enable once the engine's SamplingParams.logprobs and Reply.logprobs are merged")
+def test_logprobs_come_with_each_token(client):
+    out = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].top_logprobs[0].logprob == content[0].logprob        # greedy: the chosen is the likeliest
+
+
+def test_a_model_without_a_chat_template_refuses_chat_with_400(tmp_path):
+    """A checkpoint without tokenizer_config.json: a chat request is a 400 that says to use /v1/completions."""
+    model = tmp_path / "tiny-no-chat"
+    shutil.copytree(TINY, model)
+    (model / "tokenizer_config.json").unlink()
+    s = Server("--model", str(model))
     try:
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
-        out = c.chat.completions.create(model=str(chat_model), messages=messages, max_tokens=16, temperature=0)
-        assert out.choices[0].message.content == expected.text and out.choices[0].message.role == "assistant"
-        assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
-        chunks = list(c.chat.completions.create(model=str(chat_model), messages=messages, max_tokens=16, temperature=0,
-                                                stream=True))
-        assert chunks[0].choices[0].delta.role == "assistant"
-        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected.text
-        assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert caught.value.body["code"] == "no_chat_template" and "/v1/completions" in caught.value.body["message"]
     finally:
         code, out = s.stop()
     assert code == 0, out
+
+
+def test_a_busy_port_is_an_error_naming_it_before_anything_loads():
+    """The port is bound first: held by another socket, serve exits 2 naming it, and never says "serving"."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        run = subprocess.run([sys.executable, "-m", "minioverlap", "serve", "--port", str(port)], capture_output=True,
+                             text=True, env=env, cwd=ROOT, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"127.0.0.1:{port}" in run.stderr and "in use" in run.stderr, run.stderr
+    assert "serving" not in run.stdout
 
 
 def test_a_request_too_large_for_the_pool_is_refused_by_the_scheduler():

@@ -272,6 +272,24 @@ def export(net: TinyWithMTP, tok: Tokenizer, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": eos}, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
+    write_tokenizer_config(out)
+
+
+# ChatML, the chat format Qwen's models use: each message between <|im_start|>role and <|im_end|>, then, with
+# add_generation_prompt, the opening of the assistant's turn. The tokenizer has one special token
+# (<|endoftext|>): the markers are encoded as ordinary text, a few byte-level tokens each.
+CHAT_TEMPLATE = ("{%- for message in messages %}"
+                 "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+                 "{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def write_tokenizer_config(out: Path) -> None:
+    """tokenizer_config.json: what transformers' AutoTokenizer needs beside tokenizer.json, and the chat
+    template that `minioverlap serve` renders for /v1/chat/completions (apply_chat_template)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "clean_up_tokenization_spaces": False,
+              "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def model_card(args: argparse.Namespace, facts: dict) -> str:
@@ -296,6 +314,11 @@ writes recognisable Python, not good Python.
 The MTP layer mixes `enorm(embed(token i+1))` and `hnorm(h_i)` (in that order), where `h_i` is the main
 model's final hidden state after its last norm, and sits at position i+1. transformers loads the main
 model with `AutoModelForCausalLM.from_pretrained` (it reports the MTP tensors as unused).
+
+tokenizer_config.json holds a ChatML chat template (Qwen's format: `<|im_start|>role\\ncontent<|im_end|>\\n`
+per message, then `<|im_start|>assistant\\n`), so that `/v1/chat/completions` serves this model. The
+tokenizer's only special token is `<|endoftext|>`: the markers are encoded as ordinary text (a few
+byte-level tokens each), and the model was never trained on chats, so its answers are Python, not replies.
 
 Made with `python tools/make_model.py {facts['command']}` ({facts['python']}, torch {torch.__version__}).
 

@@ -1,40 +1,48 @@
 # >>> ch16 file: the HTTP side
 """The HTTP side: OpenAI's routes on FastAPI, in the server's main process.
 
-A request's path: its body checked (protocol.py), its prompt tokenized and checked against the context
-(the Processor of llm.py, without the model), the request sent to the scheduler process and accepted
-there, then its tokens streamed back as server-sent events or gathered into one body, detokenized on
-the way (text.py). A client that leaves, whether its request runs or still waits in the queue, aborts it:
-a stream's generator is cancelled when the connection closes; a plain request watches the connection.
+A request's path: its body checked (protocol.py, pydantic models), its prompt tokenized and checked
+against the context (the Processor of llm.py, without the model) in a worker thread, so that a long
+prompt stalls no other request; the request made (Processor.make_request: the one place it is checked,
+every error a 400) and sent to the scheduler process, then its tokens streamed back as server-sent
+events (sse-starlette frames them) or gathered into one body, detokenized on the way (text.py). A
+request with n choices is n requests to the engine. A client that leaves, whether its request runs or
+still waits in the queue, aborts it: a stream's generator is cancelled when the connection closes; a
+plain request watches the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
 
-from minioverlap.processor import Processor
+from minioverlap.processor import Processor, Prompt
 from minioverlap.server.client import EngineClient, EngineGone, RequestRejected
-from minioverlap.server.engine import Tokens
-from minioverlap.server.protocol import (APIError, GenerateRequest, invalid_value, parse_body, parse_chat,
-                                         parse_completion, sampling_params)
-from minioverlap.server.text import ChatTemplate, Detokenizer
+from minioverlap.server.guards import BodyLimit, openai_errors
+from minioverlap.server.messages import Tokens
+from minioverlap.server.protocol import (APIError, ChatRequest, CompletionRequest, GenerateRequest, chat_request,
+                                         completion_request, invalid_value, parse, parse_json, sampling_params)
+from minioverlap.server.responses import Chat, Choice, Choices, Completion, Shape
+from minioverlap.server.text import ChatTemplate, Detokenizer, StopText
 
 
 @dataclass
 class Served:
-    """What the HTTP side knows of the model: its name, the Processor (tokenizer, vocabulary, context)
-    and the chat template."""
+    """What the HTTP side knows of the model: its name, the Processor (tokenizer, vocabulary, context),
+    the chat template, and the server's limits."""
     name: str
     processor: Processor
     chat: ChatTemplate
+    max_body_bytes: int = 1 << 20
+    grace: float = 5.0                 # seconds a stream in flight gets when the server stops
 
 
 def create_app(engine: EngineClient, served: Served) -> FastAPI:
@@ -45,10 +53,8 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
         engine.stop()                            # after uvicorn's graceful shutdown: abort what is left
 
     app = FastAPI(title="minioverlap", lifespan=lifespan)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+    openai_errors(app)
+    app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -62,25 +68,27 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion(parse_body(await request.body()), served.name)
-        return await generate(request, req, Completion(served.name))
+        req = completion_request(parse(await request.body(), CompletionRequest, served.name))
+        return await generate(request, req, Completion(served.name, token_text, req.logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        messages, req = parse_chat(parse_body(await request.body()), served.name)
+        body = parse(await request.body(), ChatRequest, served.name)
         if served.chat.template is None:
             raise APIError(f"the model {served.name!r} has no chat template (its tokenizer_config.json has no "
                            "chat_template): use /v1/completions", param="messages", code="no_chat_template")
+        req = chat_request(body)
+        messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
         try:
-            req.prompt = served.chat.render(messages)
+            req.prompt = await asyncio.to_thread(served.chat.render, messages)
         except ValueError as err:
             raise APIError(str(err), param="messages", code="invalid_value") from None
-        return await generate(request, req, Chat(served.name))
+        return await generate(request, req, Chat(served.name, token_text, req.logprobs))
 
     @app.post("/abort")
     async def abort(request: Request) -> dict:
         """{"id": "cmpl-7"} (a response's id) or {"all": true}: the requests end with finish_reason "abort"."""
-        body = parse_body(await request.body())
+        body = parse_json(await request.body())
         if body.get("all") is True and set(body) == {"all"}:
             return {"aborted": engine.abort_all()}
         rid = request_number(body.get("id")) if set(body) == {"id"} else None
@@ -88,7 +96,7 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
             raise APIError('the body must be {"id": "<a response id>"} or {"all": true}', param="id",
                            code="invalid_value")
         known = rid in engine.streams
-        engine.abort(rid)
+        engine.abort_group(rid)
         return {"aborted": int(known)}
 
     @app.get("/integrity")
@@ -99,31 +107,45 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
         except EngineGone as err:
             raise APIError(str(err), status=503, type="server_error") from None
 
+    def token_text(token_id: int) -> str:
+        return served.processor.decode([token_id])
+
     async def generate(request: Request, req: GenerateRequest, shape: Shape):
+        param = "messages" if isinstance(shape, Chat) else "prompt"
+        ids = await asyncio.to_thread(encode, served.processor, req.prompt, param)
         try:
-            ids = served.processor.encode(req.prompt)
-        except ValueError as err:                # empty, outside the vocabulary, or too long for the context
-            too_long = "the context holds" in str(err)
-            raise APIError(str(err), param="messages" if isinstance(shape, Chat) else "prompt",
-                           code="context_length_exceeded" if too_long else "invalid_prompt") from None
-        params = sampling_params(req, len(ids), served.processor.max_seq_len)
-        try:
-            served.processor.make_request(ids, params)           # its stop tokens against the vocabulary
-            rid, queue = await engine.add(ids, params)
+            reqs = [served.processor.make_request(ids, p) for p in
+                    sampling_params(req, len(ids), served.processor.max_seq_len)]
+            rids, queue = await engine.add(reqs)
         except RequestRejected as err:
             raise APIError(str(err), param="max_tokens", code="too_large_for_the_pool") from None
-        except ValueError as err:
+        except ValueError as err:                # stop_token_ids outside the vocabulary
             raise invalid_value(err) from None
         except EngineGone as err:
             raise APIError(str(err), status=503, type="server_error") from None
-        shape.rid, shape.prompt_tokens = rid, len(ids)
-        text = Detokenizer(served.processor.decode)
-        if req.stream:
-            return StreamingResponse(stream(engine, queue, text, shape, req.include_usage),
-                                     media_type="text/event-stream")
-        return await gather(engine, request, queue, text, shape)
+        shape.rid, shape.prompt_tokens = rids[0], len(ids)
+        choices = Choices([Choice(i, rid, Detokenizer(served.processor.decode), StopText(req.stop))
+                           for i, rid in enumerate(rids)])
+        if not req.stream:
+            return await gather(engine, request, queue, choices, shape)
+        try:
+            return await sse(stream(engine, queue, choices, shape, req.include_usage), served.grace)
+        except Exception:                        # no stream to send: its requests must not run for nobody
+            for rid in choices.running():
+                engine.abort(rid)
+            raise
 
     return app
+
+
+def encode(processor: Processor, prompt: Prompt, param: str) -> list[int]:
+    """The prompt's token ids (in a worker thread: a long text takes a while), checked against the
+    vocabulary and the context."""
+    try:
+        return processor.encode(prompt)
+    except ValueError as err:                    # empty, outside the vocabulary, or too long for the context
+        too_long = "the context holds" in str(err)
+        raise APIError(str(err), param=param, code="context_length_exceeded" if too_long else "invalid_prompt") from None
 
 
 def request_number(response_id: object) -> int | None:
@@ -134,61 +156,87 @@ def request_number(response_id: object) -> int | None:
     return int(number) if number.isdigit() else None
 
 
+async def sse(events: AsyncIterator[str], grace: float) -> EventSourceResponse:
+    """The events as server-sent events, each framed `data: ...` by sse-starlette. When the server stops,
+    sse-starlette would cut the stream at once; it waits `grace` + 1 s instead, by which time the stream
+    has ended itself with an error event (GracefulServer)."""
+    if inspect.iscoroutine(events):              # a stream() with no yield (exercise 16.1's stub): its error, a 500
+        await events
+        raise TypeError("stream() must be an async generator: it yields the events")
+    return EventSourceResponse(events, shutdown_grace_period=grace + 1)
+
+
 # ---- the two ways back: a stream of events, or one body
-async def stream(engine: EngineClient, queue: asyncio.Queue, text: Detokenizer, shape: Shape,
+async def stream(engine: EngineClient, queue: asyncio.Queue, choices: Choices, shape: Shape,
                  include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per step, the last with its finish_reason, [DONE]. If the client
-    leaves, Starlette cancels this generator where it waits: the request is aborted."""
+    """Server-sent events: a chunk per step of each choice, the last of each with its finish_reason,
+    [DONE]. If the client leaves, sse-starlette cancels this generator where it waits: the requests
+    still running are aborted."""
     # >>> exercise 16.1: a client that leaves aborts its request
-    finished, tokens = False, 0
     try:
         if shape.first_chunk:
-            yield event(shape.chunk(None, None, first=True))
-        while not finished:
+            for choice in choices.all:
+                yield event(shape.role_chunk(choice))
+        while not choices.finished:
             msg = await queue.get()
-            if isinstance(msg, EngineGone) or msg.finish_reason == "error":   # an error event ends the stream
-                yield event(APIError(str(msg) if isinstance(msg, EngineGone) else msg.error or "the request failed",
-                                     type="server_error").body())
+            if failed(msg):                      # an error event ends the stream
+                yield event(error_body(msg))
                 break
-            finished, tokens = msg.finished, tokens + len(msg.token_ids)
-            yield event(shape.chunk(text.add(msg.token_ids, last=finished), msg.finish_reason if finished else None))
-        if include_usage and finished:
-            yield event(shape.usage_chunk(tokens))
-        yield "data: [DONE]\n\n"
+            if (choice := choices.of(msg)) is not None:
+                yield event(shape.chunk(choice, choice.take(msg)))
+                if choice.finished and not choice.engine_done:     # a stop string ended it
+                    engine.abort(choice.rid)
+        if include_usage and choices.finished:
+            yield event(shape.usage_chunk(choices.tokens))
+        yield "[DONE]"
     finally:
-        if not finished:
-            engine.abort(shape.rid)
+        for rid in choices.running():
+            engine.abort(rid)
     # <<< exercise 16.1
 
 
-async def gather(engine: EngineClient, request: Request, queue: asyncio.Queue, text: Detokenizer,
+def failed(msg: Tokens | EngineGone) -> bool:
+    return isinstance(msg, EngineGone) or msg.finish_reason == "error"
+
+
+def error_body(msg: Tokens | EngineGone) -> dict:
+    return APIError(str(msg) if isinstance(msg, EngineGone) else msg.error or "the request failed",
+                    status=503 if isinstance(msg, EngineGone) else 500, type="server_error").body()
+
+
+async def gather(engine: EngineClient, request: Request, queue: asyncio.Queue, choices: Choices,
                  shape: Shape) -> JSONResponse:
-    """Wait for every token, watching the connection: a client that leaves aborts the request."""
-    tokens = asyncio.ensure_future(all_tokens(queue))
+    """Wait for every token of every choice, watching the connection: a client that leaves aborts them."""
+    tokens = asyncio.ensure_future(all_tokens(engine, queue, choices))
     left = asyncio.ensure_future(disconnected(request))
     await asyncio.wait({tokens, left}, return_when=asyncio.FIRST_COMPLETED)
     left.cancel()
     if not tokens.done():
         tokens.cancel()
-        engine.abort(shape.rid)
+        for rid in choices.running():
+            engine.abort(rid)
         return JSONResponse({}, status_code=499)         # nobody reads it: the client has gone
-    msg, ids = tokens.result()
-    if isinstance(msg, EngineGone):
-        raise APIError(str(msg), status=503, type="server_error")
-    if msg.finish_reason == "error":
-        raise APIError(msg.error or "the request failed", status=500, type="server_error")
-    return JSONResponse(shape.full(text.add(ids, last=True), msg.finish_reason, len(ids)))
+    failure, texts = tokens.result()
+    if failure is not None:
+        body = error_body(failure)
+        return JSONResponse(body, status_code=503 if isinstance(failure, EngineGone) else 500)
+    return JSONResponse(shape.full([(c, "".join(t), lps) for c, (t, lps) in zip(choices.all, texts)], choices.tokens))
 
 
-async def all_tokens(queue: asyncio.Queue) -> tuple[Tokens | EngineGone, list[int]]:
-    ids: list[int] = []
-    while True:
+async def all_tokens(engine: EngineClient, queue: asyncio.Queue,
+                     choices: Choices) -> tuple[Tokens | EngineGone | None, list[tuple[list[str], list]]]:
+    """Each choice's text pieces and logprobs; the message that failed them, or None."""
+    texts: list[tuple[list[str], list]] = [([], []) for _ in choices.all]
+    while not choices.finished:
         msg = await queue.get()
-        if isinstance(msg, EngineGone):
-            return msg, ids
-        ids += msg.token_ids
-        if msg.finished:
-            return msg, ids
+        if failed(msg):
+            return msg, texts
+        if (choice := choices.of(msg)) is not None:
+            texts[choice.index][0].append(choice.take(msg))
+            texts[choice.index][1].extend(choice.logprobs)
+            if choice.finished and not choice.engine_done:     # a stop string ended it
+                engine.abort(choice.rid)
+    return None, texts
 
 
 async def disconnected(request: Request) -> None:
@@ -197,53 +245,6 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def event(body: dict | str) -> str:
-    return body if isinstance(body, str) else f"data: {json.dumps(body)}\n\n"
-
-
-# ---- the bodies of the two endpoints
-class Shape:
-    """The response bodies of one endpoint for one request."""
-    object = prefix = ""
-    first_chunk = False
-
-    def __init__(self, model: str) -> None:
-        self.model, self.created = model, int(time.time())
-        self.rid, self.prompt_tokens = 0, 0
-
-    def head(self, object_name: str) -> dict:
-        return {"id": f"{self.prefix}-{self.rid}", "object": object_name, "created": self.created, "model": self.model}
-
-    def usage(self, tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens,
-                "total_tokens": self.prompt_tokens + tokens}
-
-    def usage_chunk(self, tokens: int) -> dict:
-        return self.head(self.object + ".chunk" if self.first_chunk else self.object) | {
-            "choices": [], "usage": self.usage(tokens)}
-
-
-class Completion(Shape):
-    object, prefix = "text_completion", "cmpl"
-
-    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
-        return self.head(self.object) | {
-            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
-
-    def full(self, text: str, finish_reason: str, tokens: int) -> dict:
-        return self.chunk(text, finish_reason) | {"usage": self.usage(tokens)}
-
-
-class Chat(Shape):
-    object, prefix = "chat.completion", "chatcmpl"
-    first_chunk = True                           # the first chunk names the role
-
-    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        return self.head(self.object + ".chunk") | {
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-
-    def full(self, text: str, finish_reason: str, tokens: int) -> dict:
-        return self.head(self.object) | {
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}], "usage": self.usage(tokens)}
+def event(body: dict) -> str:
+    """A chunk's JSON: sse-starlette writes it as `data: <json>` and the blank line after."""
+    return json.dumps(body)

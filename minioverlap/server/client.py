@@ -13,8 +13,8 @@ import itertools
 import threading
 from multiprocessing.connection import Connection
 
-from minioverlap.sampling_params import SamplingParams
-from minioverlap.server.engine import Abort, Add, Failed, Integrity, Ready, Rejected, Report, Stop, Tokens
+from minioverlap.engine.request import Req
+from minioverlap.server.messages import Abort, Accepted, Add, Failed, Integrity, Ready, Rejected, Report, Stop, Tokens
 
 
 class EngineGone(RuntimeError):
@@ -25,7 +25,9 @@ class EngineClient:
     def __init__(self, to_engine: Connection, from_engine: Connection) -> None:
         self.to_engine, self.from_engine = to_engine, from_engine
         self.ids = itertools.count(1)
-        self.streams: dict[int, asyncio.Queue] = {}      # rid -> its Accepted/Rejected, then its Tokens
+        self.answers: dict[int, asyncio.Future] = {}     # rid -> its Accepted or Rejected, once it comes
+        self.streams: dict[int, asyncio.Queue] = {}      # rid -> the queue of its Tokens (one for a request's n)
+        self.groups: dict[int, list[int]] = {}           # rid -> the rids of the same HTTP request (its n choices)
         self.reports: list[asyncio.Future] = []          # Integrity asks, answered in order
         self.loop: asyncio.AbstractEventLoop | None = None
         self.alive = False
@@ -66,24 +68,34 @@ class EngineClient:
         if isinstance(msg, Report):
             if self.reports:
                 self.reports.pop(0).set_result(msg)
+        elif isinstance(msg, (Accepted, Rejected)):
+            if (answer := self.answers.pop(msg.rid, None)) is not None and not answer.done():
+                answer.set_result(msg)
         elif (queue := self.streams.get(msg.rid)) is not None:   # a stream that left is dropped
             queue.put_nowait(msg)
-            if isinstance(msg, Rejected) or (isinstance(msg, Tokens) and msg.finished):
-                del self.streams[msg.rid]
+            if msg.finished:
+                self.forget(msg.rid)
+
+    def forget(self, rid: int) -> None:
+        self.streams.pop(rid, None)
+        self.groups.pop(rid, None)
 
     def gone(self) -> None:
         """Every request still waiting ends with an error; every later one is refused."""
         self.alive = False
         self.end_all("the engine has stopped")
-        for future in self.reports:
-            future.set_exception(EngineGone("the engine has stopped"))
+        for future in self.reports + list(self.answers.values()):
+            if not future.done():
+                future.set_exception(EngineGone("the engine has stopped"))
         self.reports.clear()
+        self.answers.clear()
 
     def end_all(self, why: str = "the server is shutting down") -> None:
         """End every request still open with an error (the engine aborts them: their streams leave)."""
-        for queue in self.streams.values():
+        for queue in set(self.streams.values()):
             queue.put_nowait(EngineGone(why))
         self.streams.clear()
+        self.groups.clear()
 
     def send(self, msg: object) -> None:
         if not self.alive:
@@ -94,28 +106,36 @@ class EngineClient:
             self.gone()
             raise EngineGone("the engine has stopped") from None
 
-    async def add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Send a checked request; its id and queue once the engine accepted it. RequestRejected if the
-        engine refused it (it could never fit the page pool)."""
-        rid, queue = next(self.ids), asyncio.Queue()
-        self.streams[rid] = queue
-        self.send(Add(rid, prompt_ids, params))
+    async def add(self, reqs: list[Req]) -> tuple[list[int], asyncio.Queue]:
+        """Send checked requests (an HTTP request's n choices); their ids and their one queue of Tokens once
+        the engine accepted them all. RequestRejected if it refused one (it could never fit the page pool):
+        the others are aborted."""
+        rids, queue = [next(self.ids) for _ in reqs], asyncio.Queue()
+        answers = [self.loop.create_future() for _ in reqs]
+        for rid, req, answer in zip(rids, reqs, answers):
+            self.answers[rid], self.streams[rid], self.groups[rid] = answer, queue, rids
+            self.send(Add(rid, req.prompt_ids, req.params, req.max_new_tokens, tuple(req.stop_ids)))
         try:
-            answer = await queue.get()
+            got = await asyncio.gather(*answers)
         except asyncio.CancelledError:           # the client left before the engine answered
-            self.abort(rid)
+            self.abort_group(rids[0])
             raise
-        if isinstance(answer, EngineGone):
-            raise answer
-        if isinstance(answer, Rejected):
-            raise RequestRejected(answer.error)
-        return rid, queue
+        refused = [answer.error for answer in got if isinstance(answer, Rejected)]
+        if refused:
+            self.abort_group(rids[0])
+            raise RequestRejected(refused[0])
+        return rids, queue
 
     def abort(self, rid: int) -> None:
-        """Stop a request (its client left, or /abort asked); its last Tokens say 'abort'. A request that
-        has ended already is left as it is."""
+        """Stop a request (its client left, a stop string ended its text, or /abort asked); its last Tokens
+        say 'abort'. A request that has ended already is left as it is."""
         if self.alive:
             self.send(Abort(rid))
+
+    def abort_group(self, rid: int) -> None:
+        """Stop a request and the other choices of its HTTP request."""
+        for each in self.groups.get(rid, [rid]):
+            self.abort(each)
 
     def abort_all(self) -> int:
         rids = list(self.streams)

@@ -13,78 +13,13 @@ blocks on the pipe; the run it starts when something arrives ends when it has no
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from minioverlap.engine.request import Req
 from minioverlap.llm import LLM
-from minioverlap.sampling_params import SamplingParams
 from minioverlap.scheduler.scheduler import IntegrityError, Reply
-
-
-# ---- the HTTP side to the scheduler
-@dataclass
-class Add:
-    rid: int                          # the request's id, given by the HTTP side (the engine's uid)
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class Abort:
-    rid: int                          # a request that finished already is left as it is
-
-
-@dataclass
-class Integrity:
-    """Ask for the integrity report (tests, and a curious operator)."""
-
-
-@dataclass
-class Stop:
-    """Abort what is left and exit."""
-
-
-# ---- the scheduler to the HTTP side
-@dataclass
-class Ready:
-    max_seq_len: int                  # the context the engine serves: the HTTP side checks prompts against it
-
-
-@dataclass
-class Failed:
-    error: str                        # the engine could not be built (a bad option, a checkpoint it refuses)
-
-
-@dataclass
-class Accepted:
-    rid: int
-
-
-@dataclass
-class Rejected:
-    rid: int
-    error: str                        # why the engine refused it (a request too large for the page pool)
-
-
-@dataclass
-class Tokens:
-    rid: int
-    token_ids: list[int]              # the new tokens of one step
-    finished: bool
-    finish_reason: str | None
-    error: str | None                 # why it failed alone (finish_reason "error")
-
-
-@dataclass
-class Report:
-    idle: bool                        # nothing queued, running or in flight: only then must everything be free
-    problems: str | None              # IntegrityError's message, or None
-    free_pages: int
-    usable_pages: int
-    free_rows: int
-    max_running: int
-    finishes: dict[str, int]          # requests ended since the start, by finish_reason ("stop", "abort", ...)
-    kernels: bool                     # the engine's step takes chapter 15's fast path
+from minioverlap.server.messages import (Abort, Accepted, Add, Failed, Integrity, Ready, Rejected, Report, Stop,
+                                         Tokens)
 
 
 def run_engine(options: dict, inbox: Connection, outbox: Connection, first_tokens_first: bool = False) -> None:
@@ -147,14 +82,15 @@ class EngineLoop:
             raise TypeError(f"the scheduler process got {msg!r}, not a message it knows")
 
     def add(self, msg: Add) -> None:
-        """Check the request as LLM.make_requests does; the HTTP side's id becomes its uid."""
+        """The HTTP side has checked the request (Processor.make_request, where an error becomes a 400):
+        it is not checked again here, but for what only the scheduler knows, whether it could ever fit
+        the page pool. The HTTP side's id becomes its uid."""
+        req = Req(msg.rid, msg.prompt_ids, msg.params, msg.max_new_tokens, frozenset(msg.stop_ids))
         try:
-            req = self.llm.make_request(msg.prompt_ids, msg.params)
             self.scheduler.check_fits_pool(req)
         except ValueError as err:
             self.outbox.send(Rejected(msg.rid, str(err)))
             return
-        req.uid = msg.rid
         self.scheduler.add_request(req)
         self.outbox.send(Accepted(msg.rid))
 
@@ -171,4 +107,10 @@ class EngineLoop:
 
 
 def tokens(reply: Reply) -> Tokens:
-    return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error)
+    return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply))
+
+
+def logprobs(reply: Reply) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    """The reply's TokenLogprobs (a request that asked for them), as plain tuples for the pipe."""
+    got = getattr(reply, "logprobs", None)            # Reply.logprobs: with SamplingParams.logprobs
+    return None if got is None else [(t.logprob, list(t.top)) for t in got]

@@ -1,6 +1,7 @@
 # >>> ch16 file: the server's processes
-"""`minioverlap serve`: the scheduler process is started first and built (the model loaded, graphs
-captured); only when it says Ready does the HTTP side open its port. uvicorn turns SIGINT and SIGTERM
+"""`minioverlap serve`: the port is bound first (a busy port is an error naming it, before anything
+loads); then the scheduler process is started and built (the model loaded, graphs captured); only when it
+says Ready does the HTTP side listen on the bound socket, and say so. uvicorn turns SIGINT and SIGTERM
 into a graceful shutdown: the port closes, the streams in flight get `grace` seconds to finish, then the
 scheduler process is told to stop (it aborts what is left) and is waited for. Nothing is left behind.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,28 +25,48 @@ from minioverlap.server.engine import run_engine
 from minioverlap.server.text import ChatTemplate
 
 
+BYTES_PER_TOKEN = 64         # the body limit's default: 64 bytes per token of the context, at least 1 MiB
+
+
 def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, grace: float = 5.0,
-          log_level: str = "warning", first_tokens_first: bool = False) -> None:
+          log_level: str = "warning", first_tokens_first: bool = False, max_body_bytes: int | None = None) -> None:
     """Run the server until SIGINT or SIGTERM. `options` are LLM's (EngineArgs' fields): checked here
-    first, so that a bad one is a ValueError before any process starts."""
+    first, so that a bad one is a ValueError before any process starts; so is a busy port."""
     model = EngineArgs(**options).model
     model_dir = resolve_model_dir(model)
+    sock = bind(host, port)
     engine, process = start_engine(options, first_tokens_first)
     try:
         ready = engine.wait_ready()
         processor = Processor(load_tokenizer(model_dir), model_dir, load_config(model_dir), ready.max_seq_len)
-        served = Served(str(model), processor, ChatTemplate(model_dir))
-        print(f"minioverlap: serving {served.name} on http://{host}:{port}", flush=True)
-        config = uvicorn.Config(create_app(engine, served), host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=grace + 5)
+        limit = max_body_bytes or max(1 << 20, BYTES_PER_TOKEN * ready.max_seq_len)
+        served = Served(str(model), processor, ChatTemplate(model_dir), limit, grace)
+        config = uvicorn.Config(create_app(engine, served), log_level=log_level, timeout_graceful_shutdown=grace + 5)
+        print(f"minioverlap: serving {served.name} on http://{host}:{sock.getsockname()[1]}", flush=True)
         with signals_end_the_server():
-            GracefulServer(config, engine, grace).run()
+            GracefulServer(config, engine, grace).run(sockets=[sock])
     finally:
+        sock.close()
         engine.stop()
         process.join(timeout=10)
         if process.is_alive():
             process.kill()
             process.join()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it once the engine is ready). A port another
+    program holds is a ValueError naming it, before the engine loads."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # a port left in TIME_WAIT is free to take
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror} (another server holds port {port}? "
+                         "choose another with --port)") from None
+    return sock
 
 
 class GracefulServer(uvicorn.Server):

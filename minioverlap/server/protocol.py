@@ -1,10 +1,17 @@
-# >>> ch16 file: the OpenAI request bodies, checked field by field
-"""The bodies of /v1/completions and /v1/chat/completions, checked one field at a time, and OpenAI's
-error body for each that is wrong: `{"error": {"message", "type", "param", "code"}}`, status 400 (404
-for a model the server does not serve). A field the engine does not implement is refused, not ignored:
-n > 1, logprobs, stop strings, penalties and tools would otherwise be silently dropped.
+# >>> ch16 file: the OpenAI request bodies, as pydantic models
+"""The bodies of /v1/completions and /v1/chat/completions as pydantic models, and OpenAI's error body
+for one that is wrong: `{"error": {"message", "type", "param", "code"}}`, status 400 (404 for a model the
+server does not serve).
 
-The fields beyond OpenAI's (`top_k`, `ignore_eos`, `stop_token_ids`) are vLLM's and SGLang's names.
+pydantic does the checking: every field's type (strict: "5" is not an integer, true is not a number),
+its range, an unknown field (extra="forbid"). What it reports (a list of errors, each with the field's
+path, the value and the broken rule) becomes one OpenAI error naming the field (`api_error`). The JSON
+itself is parsed by pydantic's Rust parser, which refuses what Python's json module lets through to
+crash later: a lone surrogate ("\\ud800", text no tokenizer can encode) and nesting deeper than 200.
+
+A field the engine does not implement is refused, not ignored: penalties, logit_bias, tools, echo, suffix
+and best_of > 1 would otherwise be silently dropped. The fields beyond OpenAI's (`top_k`, `ignore_eos`,
+`stop_token_ids`) are vLLM's and SGLang's names.
 """
 
 from __future__ import annotations
@@ -12,9 +19,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError, from_json
 
 from minioverlap.processor import Prompt
 from minioverlap.sampling_params import SamplingParams
+
+MAX_N = 16                   # choices per request (each is a request to the engine)
+MAX_STOP = 4                 # stop strings per request: OpenAI's limit
 
 
 class APIError(Exception):
@@ -27,6 +41,141 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# ---- custom rules: each raises PydanticCustomError(code, rule); api_error writes "<field> must be <rule>, got <value>"
+def rule(code: str, text: str) -> PydanticCustomError:
+    return PydanticCustomError(code, text)
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prompt_rule(value: object) -> Prompt:
+    if isinstance(value, str) or (isinstance(value, list) and all(is_int(t) for t in value)):
+        return value
+    raise rule("invalid_type", "text or a list of token ids (one prompt per request: a list of prompts is not supported)")
+
+
+def stop_rule(value: object) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise rule("invalid_type", f"a string or a list of up to {MAX_STOP} strings")
+    if len(stops) > MAX_STOP:
+        raise rule("invalid_value", f"at most {MAX_STOP} strings")
+    return tuple(s for s in stops if s)                      # "" stops nothing: OpenAI's clients send it for none
+
+
+def content_rule(value: object) -> str:
+    """Text, or a list of text parts (joined): what the chat template takes."""
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                       for p in value):
+        return "".join(p["text"] for p in value)
+    if isinstance(value, str):
+        return value
+    raise rule("invalid_type", "text or a list of text parts")
+
+
+# Fields OpenAI has and this engine does not implement: name -> the values that mean "not asked for".
+UNSUPPORTED = {"best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
+               "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+               "parallel_tool_calls": (), "response_format": ({"type": "text"},)}
+
+
+class Strict(BaseModel):
+    """No unknown field, no conversion ("5" is not 5); a field sent as null is as if left out."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_absent(cls, body: object) -> object:
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    """The fields both endpoints take."""
+    model: str
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, allow_inf_nan=False)
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    stop: Annotated[tuple[str, ...], BeforeValidator(stop_rule)] = ()
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    @field_validator("top_k")
+    @classmethod
+    def top_k_rule(cls, k: int) -> int:
+        if k == -1 or k >= 1:
+            return k
+        raise rule("invalid_value", "-1 (all tokens) or an integer >= 1")
+
+    @field_validator("top_p")
+    @classmethod
+    def top_p_rule(cls, p: float) -> float:
+        if 0 < p <= 1:
+            return p
+        raise rule("invalid_value", "in (0, 1]")
+
+    @field_validator(*UNSUPPORTED, check_fields=False)
+    @classmethod
+    def unsupported(cls, value: object, info) -> object:
+        if any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in UNSUPPORTED[info.field_name]):
+            return None
+        raise rule("unsupported_parameter", "left out: it is not supported by this server")
+
+    @model_validator(mode="after")
+    def stream_options_need_stream(self) -> Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise rule("invalid_value", "stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(Sampling):
+    prompt: Annotated[Prompt, BeforeValidator(prompt_rule)]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)      # the legacy API's: the chosen token's, and the top k
+    echo: Any = None
+    suffix: Any = None
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, BeforeValidator(content_rule)]
+    name: str | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+
+    @model_validator(mode="after")
+    def one_limit(self) -> ChatRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise rule("invalid_value", "max_completion_tokens cannot be given with max_tokens: give one")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise rule("invalid_value", "top_logprobs is only allowed when logprobs is true")
+        return self
+
+
 @dataclass
 class GenerateRequest:
     """What both endpoints ask of the engine."""
@@ -35,139 +184,134 @@ class GenerateRequest:
     params: dict                       # SamplingParams' fields, except max_tokens (it needs the prompt's length)
     stream: bool
     include_usage: bool                # stream_options.include_usage: a last chunk with the token counts
+    n: int = 1                         # choices: n requests to the engine
+    stop: tuple[str, ...] = ()         # stop strings: the text ends before the first
+    logprobs: int | None = None        # None: none; 0: the chosen token's; k: and the k most likely
 
 
-# The fields each endpoint takes, beyond `model`: name -> (JSON types, default).
-SAMPLING = {"temperature": ((int, float), 1.0), "top_p": ((int, float), 1.0), "top_k": ((int,), -1),
-            "seed": ((int, type(None)), None), "ignore_eos": ((bool,), False),
-            "stop_token_ids": ((list, type(None)), None), "stream": ((bool,), False),
-            "stream_options": ((dict, type(None)), None), "user": ((str, type(None)), None)}
-# Fields OpenAI has and this engine does not implement: name -> the values that mean "not asked for".
-UNSUPPORTED = {"n": (1, None), "best_of": (1, None), "logprobs": (None, False), "top_logprobs": (None, 0),
-               "echo": (False, None), "suffix": (None,), "stop": (None, [], ""),
-               "presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": (None, {}),
-               "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
-               "parallel_tool_calls": (None,)}
-COMPLETION = {"prompt": ((str, list), None), "max_tokens": ((int, type(None)), 16)} | SAMPLING
-CHAT = {"messages": ((list,), None), "max_tokens": ((int, type(None)), None),
-        "max_completion_tokens": ((int, type(None)), None)} | SAMPLING
-ROLES = ("system", "user", "assistant")
-JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-              dict: "an object"}
-
-
-def parse_body(raw: bytes) -> dict:
+# ---- the body to a request
+def parse(raw: bytes, model: type[Strict], served: str) -> Strict:
+    """The body checked against `model`; APIError naming the first field that is wrong."""
+    body = parse_json(raw)
+    if body.get("model") is not None and body["model"] != served:
+        raise APIError(f"the model {json.dumps(body['model'])} does not exist; this server serves {served!r}",
+                       param="model", status=404, code="model_not_found")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise api_error(err) from None
+
+
+def parse_json(raw: bytes) -> dict:
+    """A JSON object, parsed by pydantic's parser (jiter, in Rust)."""
+    try:
+        body = from_json(raw, allow_inf_nan=True)        # NaN reaches the temperature's check: "must be finite"
+    except ValueError as err:
         raise APIError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {json.dumps(body)[:40]}", code="invalid_type")
     return body
 
 
-def checked_fields(body: dict, fields: dict, model: str) -> dict:
-    """Every field of `fields` (its default where absent or null), after `model`, the unknown and the
-    unsupported fields are refused."""
-    check_model(body, model)
-    for name, value in body.items():
-        if name in UNSUPPORTED:
-            if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in UNSUPPORTED[name]):
-                raise APIError(f"{name}={json.dumps(value)} is not supported by this server", param=name,
-                               code="unsupported_parameter")
-        elif name not in fields and name != "model":
-            raise APIError(f"Unrecognized request argument supplied: {name}", param=name,
-                           code="unrecognized_argument")
-    out = {}
-    for name, (types, default) in fields.items():
-        value = body.get(name)
-        if value is None:
-            if default is None and type(None) not in types:
-                raise APIError(f"{name} is required", param=name, code="missing_required_parameter")
-            value = default
-        elif not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            kinds = " or ".join(JSON_NAMES[t] for t in types if t is not type(None))
-            raise APIError(f"{name} must be {kinds}, got {json.dumps(value)}", param=name, code="invalid_type")
-        out[name] = value
-    return out
+def completion_request(req: CompletionRequest) -> GenerateRequest:
+    return generate_request(req, req.prompt, req.max_tokens, req.logprobs)
 
 
-def check_model(body: dict, model: str) -> None:
-    if "model" not in body or body["model"] is None:
-        raise APIError("you must provide a model parameter", param="model", code="missing_required_parameter")
-    if body["model"] != model:
-        raise APIError(f"the model {json.dumps(body['model'])} does not exist; this server serves {model!r}",
-                       param="model", status=404, code="model_not_found")
+def chat_request(req: ChatRequest) -> GenerateRequest:
+    """The prompt is filled in once the chat template has rendered the messages."""
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return generate_request(req, "", limit, (req.top_logprobs or 0) if req.logprobs else None)
 
 
-def parse_completion(body: dict, model: str) -> GenerateRequest:
-    fields = checked_fields(body, COMPLETION, model)
-    prompt = fields["prompt"]
-    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise APIError("prompt must be text or a list of token ids (one prompt per request: a list of prompts is "
-                       "not supported)", param="prompt", code="invalid_type")
-    return request(fields, prompt, fields["max_tokens"])
+def generate_request(req: Sampling, prompt: Prompt, max_tokens: int | None, logprobs: int | None) -> GenerateRequest:
+    params = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
+              "ignore_eos": req.ignore_eos, "stop_token_ids": tuple(req.stop_token_ids)}
+    include_usage = req.stream_options.include_usage if req.stream_options else False
+    return GenerateRequest(prompt, max_tokens, params, req.stream, include_usage, req.n, req.stop, logprobs)
 
 
-def parse_chat(body: dict, model: str) -> tuple[list[dict], GenerateRequest]:
-    """The messages (checked: a role and text content each) and the request; the prompt is filled in
-    once the chat template has rendered them."""
-    fields = checked_fields(body, CHAT, model)
-    if fields["max_tokens"] is not None and fields["max_completion_tokens"] is not None:
-        raise APIError("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
-    messages = [chat_message(i, m) for i, m in enumerate(fields["messages"])]
-    if not messages:
-        raise APIError("messages must hold at least 1 message", param="messages", code="empty_array")
-    limit = fields["max_completion_tokens"] if fields["max_completion_tokens"] is not None else fields["max_tokens"]
-    return messages, request(fields, "", limit)
+# ---- pydantic's errors to OpenAI's
+KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "string": "a string", "list": "an array",
+         "tuple": "an array", "dict": "an object", "model": "an object", "literal": "one of"}
 
 
-def chat_message(i: int, message: object) -> dict:
-    """One message as the chat template takes it: a role and its text (a list of text parts is joined)."""
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise APIError(f"{where} must be an object with a role and a content", param=where, code="invalid_type")
-    role, content = message.get("role"), message.get("content")
-    if role not in ROLES:
-        raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                       param=f"{where}.role", code="invalid_value")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise APIError(f"{where}.content must be text or a list of text parts, got {json.dumps(content)}",
-                       param=f"{where}.content", code="invalid_type")
-    return {"role": role, "content": content}
+def api_error(err: ValidationError) -> APIError:
+    """The first error (an unknown field first): its field as `param`, the value and the rule in the message."""
+    errors = sorted(err.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
+    e = errors[0]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".") or None
+    kind, ctx, value = e["type"], e.get("ctx", {}), e.get("input")
+    if kind == "missing":
+        return APIError(f"{param} is required", param=param, code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: {param}", param=param, code="unrecognized_argument")
+    if kind in ("invalid_type", "invalid_value", "unsupported_parameter"):      # our own rules
+        if kind == "unsupported_parameter":
+            return APIError(f"{param}={show(value)} is not supported by this server", param=param, code=kind)
+        if param is None:                                 # a rule across fields: its text names them
+            return APIError(e["msg"], param=e["msg"].split()[0], code=kind)
+        return APIError(f"{param} must be {e['msg']}, got {show(value)}", param=param, code=kind)
+    if kind.endswith(("_type", "_parsing")):
+        return APIError(f"{param} must be {KINDS.get(kind.split('_')[0], kind)}, got {show(value)}", param=param,
+                        code="invalid_type")
+    return APIError(f"{param} must be {bound(kind, ctx)}, got {show(value)}", param=param, code="invalid_value")
 
 
-def request(fields: dict, prompt: Prompt, max_tokens: int | None) -> GenerateRequest:
-    options = fields["stream_options"] or {}
-    if options and not fields["stream"]:
-        raise APIError("stream_options is only allowed when stream is true", param="stream_options",
-                       code="invalid_value")
-    if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
-        raise APIError(f"stream_options must be {{\"include_usage\": true or false}}, got {json.dumps(options)}",
-                       param="stream_options", code="invalid_value")
-    for name in ("temperature", "top_p"):
-        if not math.isfinite(fields[name]):
-            raise APIError(f"{name} must be a finite number, got {fields[name]}", param=name, code="invalid_value")
-    params = {name: fields[name] for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
-    params["stop_token_ids"] = tuple(fields["stop_token_ids"] or ())
-    return GenerateRequest(prompt, max_tokens, params, fields["stream"], options.get("include_usage", False))
+def bound(kind: str, ctx: dict) -> str:
+    """A range rule as text: greater_than_equal {ge: 1} -> '>= 1'."""
+    signs = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+             "less_than": ("<", "lt")}
+    if kind in signs:
+        sign, key = signs[kind]
+        limit = ctx[key]
+        return f"{sign} {int(limit) if float(limit).is_integer() else limit}"
+    if kind == "finite_number":
+        return "a finite number"
+    if kind == "literal_error":
+        return f"one of {ctx['expected']}"
+    if kind == "too_short":
+        return f"at least {ctx['min_length']} item(s)"
+    if kind == "too_long":
+        return f"at most {ctx['max_length']} items"
+    return kind.replace("_", " ")
 
 
-def sampling_params(req: GenerateRequest, prompt_len: int, max_seq_len: int) -> SamplingParams:
-    """The request's SamplingParams: max_tokens checked against the context left after the prompt (the
-    engine would stop there with "length"; a server says so before it starts). SamplingParams' own
-    errors name their field: they become a 400 on it (invalid_value)."""
+def show(value: object) -> str:
+    """A value as JSON (nan as nan: JSON has no word for it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return json.dumps(value)[:80]
+
+
+# ---- the request to the engine's SamplingParams
+def sampling_params(req: GenerateRequest, prompt_len: int, max_seq_len: int) -> list[SamplingParams]:
+    """One SamplingParams per choice: max_tokens checked against the context left after the prompt (the
+    engine would stop there with "length"; a server says so before it starts). With a seed, choice i
+    draws with seed + i, as vLLM seeds the n copies of a request: n choices, not n equal ones.
+    SamplingParams' own errors name their field: a 400 on it (invalid_value)."""
     room = max_seq_len - prompt_len
     if req.max_tokens is not None and req.max_tokens > room:
         raise APIError(f"max_tokens is {req.max_tokens}, but the context holds {max_seq_len} tokens and the prompt "
                        f"has {prompt_len}: at most {room}", param="max_tokens", code="context_length_exceeded")
+    fields = dict(req.params, max_tokens=room if req.max_tokens is None else req.max_tokens)
+    seed = fields.pop("seed")
     try:
-        return SamplingParams(max_tokens=room if req.max_tokens is None else req.max_tokens, **req.params)
+        return [engine_params(fields | {"seed": None if seed is None else seed + i}, req.stop, req.logprobs)
+                for i in range(req.n)]
     except ValueError as err:
         raise invalid_value(err) from None
+
+
+def engine_params(fields: dict, stop: tuple[str, ...], logprobs: int | None) -> SamplingParams:
+    """SamplingParams with the stop strings and logprobs where the engine takes them (SamplingParams.stop,
+    .logprobs). The server cuts the text at a stop string itself (StopText), so stop works without the
+    engine's help (it then runs a step or two longer); logprobs only the engine can give."""
+    known = SamplingParams.__dataclass_fields__
+    if logprobs is not None and "logprobs" not in known:
+        raise APIError("logprobs is not supported by this engine yet (SamplingParams has no logprobs)",
+                       param="logprobs", code="unsupported_parameter")
+    wired = {"stop": stop} if stop and "stop" in known else {}
+    return SamplingParams(**fields, **wired, **({"logprobs": logprobs} if logprobs is not None else {}))
 
 
 def invalid_value(err: ValueError) -> APIError:

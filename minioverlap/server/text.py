@@ -1,6 +1,6 @@
 # >>> ch16 file: text in and out, on the HTTP side
-"""The HTTP side's text: chat messages to a prompt through the checkpoint's chat template, and token
-deltas to text deltas.
+"""The HTTP side's text: chat messages to a prompt through the checkpoint's chat template (transformers),
+token deltas to text deltas, and the text cut at a stop string.
 
 Decoding only the new tokens is wrong: a character may span two tokens (bytes of one UTF-8 character),
 and a byte-level tokenizer decodes a token differently at the start of a text. Decoding every token at
@@ -11,12 +11,10 @@ holds back a delta that ends in an unfinished character (U+FFFD) until the next 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class Detokenizer:
@@ -38,43 +36,43 @@ class Detokenizer:
 
 
 class ChatTemplate:
-    """The checkpoint's chat template (tokenizer_config.json's `chat_template`, or chat_template.jinja),
-    rendered as transformers renders it: a sandboxed Jinja environment, `add_generation_prompt`."""
+    """The checkpoint's chat template, rendered by transformers: AutoTokenizer reads it from
+    tokenizer_config.json (or chat_template.jinja), and apply_chat_template renders it in a sandboxed
+    Jinja environment with the tokenizer's special tokens, as every transformers user gets it."""
 
     def __init__(self, model_dir: Path) -> None:
-        self.source = read_template(model_dir)
-        self.template = None
-        if self.source is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self.template = env.from_string(self.source)
-        self.special = special_tokens(model_dir)
+        from transformers import AutoTokenizer        # a few seconds to import: only a server pays it
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError):                  # no tokenizer transformers can build: no chat
+            self.tokenizer = None
+        self.template = self.tokenizer.chat_template if self.tokenizer is not None else None
 
     def render(self, messages: list[dict]) -> str:
-        """The prompt; ValueError if the template refuses the messages."""
+        """The prompt, ending with the assistant's turn opened; ValueError if the template refuses the messages."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
-        except jinja2.TemplateError as err:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except jinja2.TemplateError as err:            # the template's own raise_exception, or a broken template
             raise ValueError(f"the chat template refused the messages: {err}") from None
 
 
-def read_template(model_dir: Path) -> str | None:
-    if (model_dir / "chat_template.jinja").is_file():
-        return (model_dir / "chat_template.jinja").read_text()
-    config = model_dir / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    if isinstance(template, list):               # named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template
+class StopText:
+    """Cuts a stream of text deltas at the first stop string, which is not sent (OpenAI's rule). The tail
+    that could be the start of a stop string is held back until the next delta settles it."""
 
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held, self.stopped = stops, "", False
 
-def special_tokens(model_dir: Path) -> dict[str, str]:
-    """bos_token and eos_token as text, for templates that write them."""
-    config = model_dir / "tokenizer_config.json"
-    raw = json.loads(config.read_text()) if config.is_file() else {}
-    tokens = {name: raw.get(name) for name in ("bos_token", "eos_token")}
-    return {name: (t.get("content") if isinstance(t, dict) else t) or "" for name, t in tokens.items()}
-
-
-def raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
+    def add(self, delta: str, last: bool = False) -> str:
+        """The text to send now; after it, `stopped` says whether a stop string ended the text."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else delta
+        text, self.held = self.held + delta, ""
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return text[:cut]
+        if not last:
+            keep = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+            text, self.held = text[:len(text) - keep], text[len(text) - keep:]
+        return text

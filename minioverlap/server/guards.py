@@ -1,0 +1,85 @@
+# >>> ch16 file: every error in OpenAI's body, and a limit on the body's size
+"""Two guards around the routes.
+
+Every error a client can meet comes in OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
+the server's own (APIError), Starlette's (404 for an unknown path, 405 for a wrong method), FastAPI's
+(422, a request its routes' own validation refuses) and any other exception (500, named, its traceback in
+the server's log). FastAPI's default bodies, `{"detail": ...}`, are not what OpenAI's clients read.
+
+A body larger than `max_bytes` is refused with 413 before it is read: at once when its Content-Length says
+so, else as soon as the bytes counted while it streams in pass the limit (chunked uploads name no length).
+Without a limit, a 10 MB prompt is read, parsed and tokenized whole before the context check refuses it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from minioverlap.server.protocol import APIError
+
+log = logging.getLogger("minioverlap.server")
+CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def openai_errors(app: FastAPI) -> None:
+    """Exception handlers that answer every error in OpenAI's body."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        return JSONResponse(APIError(message, status=err.status_code, code=CODES.get(err.status_code)).body(),
+                            status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return JSONResponse(APIError(f"{param}: {first['msg']}", param=param, status=422, code="invalid_value").body(),
+                            status_code=422)
+
+    @app.exception_handler(Exception)            # Starlette calls this one last, from ServerErrorMiddleware
+    async def server_error(request: Request, err: Exception) -> JSONResponse:
+        log.exception("a request failed: %s %s", request.method, request.url.path)
+        return JSONResponse(APIError(f"the server failed: {type(err).__name__}: {err}", status=500,
+                                     type="server_error", code="internal_error").body(), status_code=500)
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, max_bytes: int, got: str) -> None:
+        super().__init__(f"the request body is {got} bytes; this server takes at most {max_bytes} "
+                         "(minioverlap serve --max-body-bytes)", status=413, code="request_too_large")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body of more than `max_bytes` is refused with 413."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_bytes:
+            err = BodyTooLarge(self.max_bytes, length.decode())
+            return await JSONResponse(err.body(), status_code=413, headers={"connection": "close"})(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:                 # raised in the handler's read: the APIError handler answers
+                raise BodyTooLarge(self.max_bytes, f"more than {self.max_bytes}")
+            return msg
+        await self.app(scope, counted, send)
