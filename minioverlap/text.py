@@ -63,7 +63,7 @@ class TextStream:
         if self.end is not None:
             end = self.end
         else:
-            end = len(self.text) if finished else len(self.text) - self.hold
+            end = len(self.text) if finished else max(len(self.text) - self.hold, 0)
         delta = self.text[self.sent:end]
         self.sent = max(self.sent, end)
         return delta

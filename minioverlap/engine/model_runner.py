@@ -37,7 +37,7 @@ from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.engine.cuda_graph import DecodeGraphs
 # <<< ch13
 # >>> ch16: logprobs, computed with the sample
-from minioverlap.engine.logprobs import StepLogprobs, step_logprobs
+from minioverlap.engine.logprobs import StepLogprobs, TokenLogprob, step_logprobs
 # <<< ch16
 
 class ModelRunner:
@@ -209,6 +209,17 @@ class ModelRunner:
         #|     out.copy_done.synchronize()
         self.streams.host_wait(out.copy_done, f"the host waits for step {out.step}'s tokens")
         # <<< ch08
+    # >>> ch16: a handled step's logprobs
+
+    def logprob_lists(self, out: StepOutput) -> list[list[TokenLogprob] | None]:
+        """Each request's logprobs of the tokens out.token_lists() gives it (None: it did not ask), on the
+        host once `wait` has returned. The step's own: in the overlap loop the runner's self.logprobs
+        already belong to the next step, launched before this one is handled."""
+        logprobs = out.logprobs
+        if logprobs is None:
+            return [None] * len(out.batch.reqs)
+        return logprobs.lists(out.accept_lens_cpu.tolist(), out.batch.reqs)
+    # <<< ch16
     # >>> ch09: what the host learns when it handles a step
 
     def commit(self, req: Req, tokens: list[int], out: StepOutput) -> None:

@@ -12,7 +12,7 @@ from minioverlap.device.streams import Event
 # <<< ch08
 from minioverlap.engine.forward_batch import ForwardBatch
 # >>> ch16: logprobs, copied with the tokens
-from minioverlap.engine.logprobs import StepLogprobs, TokenLogprob
+from minioverlap.engine.logprobs import StepLogprobs
 # <<< ch16
 
 
@@ -49,11 +49,3 @@ class StepOutput:
     def token_lists(self) -> list[list[int]]:
         """Each request's tokens of the step, on the host: its window, cut to its accept length."""
         return [row[:n] for row, n in zip(self.next_tokens_cpu.tolist(), self.accept_lens_cpu.tolist())]
-    # >>> ch16: logprobs, copied with the tokens
-
-    def logprob_lists(self) -> list[list[TokenLogprob] | None]:
-        """Each request's logprobs of the tokens token_lists gives it (None: it did not ask), on the host."""
-        if self.logprobs is None:
-            return [None] * len(self.batch.reqs)
-        return self.logprobs.lists(self.accept_lens_cpu.tolist(), self.batch.reqs)
-    # <<< ch16

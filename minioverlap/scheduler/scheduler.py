@@ -269,7 +269,7 @@ class Scheduler:
         # <<< ch07
         replies = [self.handle_tokens(req, tokens, out) for req, tokens in zip(out.batch.reqs, out.token_lists())]
         # >>> ch16: each reply's logprobs: this step's, of exactly the tokens it carries
-        for req, reply, logprobs in zip(out.batch.reqs, replies, out.logprob_lists()):
+        for req, reply, logprobs in zip(out.batch.reqs, replies, self.runner.logprob_lists(out)):
             self.add_logprobs(req, reply, logprobs)
         # <<< ch16
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
@@ -336,8 +336,7 @@ class Scheduler:
     def add_logprobs(self, req: Req, reply: Reply | None, logprobs: list[TokenLogprob] | None) -> None:
         """The logprobs of a request's window (None if it did not ask), cut as its reply's tokens were cut:
         to the token that finished it (a stop token or string, max_tokens), to none for a step handled
-        after it finished (no reply). They come from the step being handled, never from the runner, which
-        in the overlap loop already holds the next step's."""
+        after it finished (no reply)."""
         if reply is None or logprobs is None:
             return
         reply.logprobs = logprobs[:len(reply.token_ids)]
