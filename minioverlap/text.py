@@ -40,13 +40,11 @@ class TextStream:
         """Decode more tokens. After each piece of text, search the part a new stop string can be in:
         it ends in the new piece, so it starts at most `hold` characters before it."""
         for token in ids:
-            piece = self.decoder.step(self.tokenizer, token)
+            piece = self.decoder.step(self.tokenizer, token) or ""
+            start = max(len(self.text) - self.hold, 0)
+            self.text += piece
             if piece and self.end is None:
-                start = max(len(self.text) - self.hold, 0)
-                self.text += piece
                 self.end = find_stop(self.text, self.stop, start)
-            elif piece:
-                self.text += piece
         self.decoded += len(ids)
 
     def holds_stop(self, output_ids: list[int]) -> bool:
