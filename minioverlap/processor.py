@@ -13,6 +13,10 @@ from pathlib import Path
 
 from minioverlap.engine.request import Req
 from minioverlap.sampling_params import SamplingParams, integral
+# >>> ch16: logprobs and stop strings
+from minioverlap.engine.logprobs import TokenLogprob
+from minioverlap.text import TextStream, find_stop
+# <<< ch16
 
 Prompt = str | list[int]
 Params = SamplingParams | list[SamplingParams] | None
@@ -29,6 +33,9 @@ class RequestOutput:
     # >>> ch09: MTP
     verify_steps: int = 0              # target passes that produced the tokens (0 without MTP)
     # <<< ch09
+    # >>> ch16: logprobs
+    logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, if params.logprobs is not None
+    # <<< ch16
 
 
 class Processor:
@@ -74,7 +81,23 @@ class Processor:
             raise ValueError(f"stop_token_ids holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
         stop |= set(params.stop_token_ids)
         # <<< ch04
-        return Req(-1, ids, params, min(params.max_tokens, self.max_seq_len - len(ids)), frozenset(stop))
+        # >>> ch16 replaces ch01: a request with stop strings decodes its text as it goes, to find them
+        #| return Req(-1, ids, params, min(params.max_tokens, self.max_seq_len - len(ids)), frozenset(stop))
+        return Req(-1, ids, params, min(params.max_tokens, self.max_seq_len - len(ids)), frozenset(stop),
+                   text=self.text_stream(params))
+        # <<< ch16
+    # >>> ch16: stop strings
+
+    def text_stream(self, params: SamplingParams) -> TextStream | None:
+        """The text a request with stop strings decodes as its tokens arrive, where the scheduler looks
+        for them (minioverlap/text.py); None without stop strings: no request pays for what it did not ask."""
+        if not params.stop:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer and {self.model_dir} has no tokenizer.json; "
+                             f"stop_token_ids take token ids")
+        return TextStream(self.tokenizer, params.stop)
+    # <<< ch16
 
     def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
         """One checked request per prompt (no uid yet). `params` is one SamplingParams for all prompts
@@ -94,11 +117,15 @@ class Processor:
 
     def output(self, req: Req) -> RequestOutput:
         """What the caller gets for a request."""
-        # >>> ch09 replaces ch01: with MTP, the verify steps too
-        #| return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason)
-        return RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason,
-                             req.verify_steps)
+        out = RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason)
+        # >>> ch09: with MTP, the verify steps too
+        out.verify_steps = req.verify_steps
         # <<< ch09
+        # >>> ch16: the text cut before the stop string that ended it; the logprobs, if asked
+        out.text = out.text[:find_stop(out.text, req.params.stop)]   # OpenAI leaves it out (token_ids keep it)
+        out.logprobs = req.logprobs if req.params.logprobs is not None else None
+        # <<< ch16
+        return out
 
 
 def _token_id(field: str, value: object) -> int:

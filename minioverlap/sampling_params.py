@@ -11,6 +11,10 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# >>> ch16: the limits of the fields OpenAI's clients send
+MAX_STOP = 16          # stop strings a request may give (each is searched for after every token)
+MAX_LOGPROBS = 20      # the most likely tokens a request may ask for at each position (OpenAI's top_logprobs limit)
+# <<< ch16
 # >>> ch03: sampling
 # The smallest temperature > 0: the smallest normal float64. The sampler divides by the temperature, and a
 # GPU divides by a number as a multiplication by its inverse, which is inf below this one.
@@ -34,6 +38,10 @@ class SamplingParams:
     # >>> ch04: stop tokens
     stop_token_ids: tuple[int, ...] = ()   # more tokens that end the request (finish_reason "stop")
     # <<< ch04
+    # >>> ch16: the fields OpenAI's clients send
+    stop: tuple[str, ...] = ()         # stop strings: the request ends once its text holds one (finish_reason "stop")
+    logprobs: int | None = None        # None: none; 0: each token's log-probability; k >= 1: and the k most likely
+    # <<< ch16
 
     def __post_init__(self) -> None:
         checked = {"max_tokens": _integer("max_tokens", self.max_tokens, "an integer >= 1", lambda n: n >= 1)}
@@ -45,6 +53,9 @@ class SamplingParams:
         # >>> ch04: stop tokens
         checked["stop_token_ids"] = _stop_token_ids(self.stop_token_ids)
         # <<< ch04
+        # >>> ch16: stop strings and logprobs
+        checked |= {"stop": _stop_strings(self.stop), "logprobs": _logprobs(self.logprobs)}
+        # <<< ch16
         for name, value in checked.items():
             object.__setattr__(self, name, value)      # the one way to set a field of a frozen dataclass
     # >>> ch03: sampling
@@ -96,3 +107,27 @@ def _stop_token_ids(value: object) -> tuple[int, ...]:
         raise ValueError(f"stop_token_ids must be a list or tuple of token ids, got {value!r}")
     return tuple(_integer(f"stop_token_ids[{i}]", t, "an integer token id") for i, t in enumerate(value))
 # <<< ch04
+# >>> ch16: stop strings and logprobs
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    """A string is one stop string; a list or tuple holds up to MAX_STOP, none of them empty (an empty
+    string would be found before the first token)."""
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of up to {MAX_STOP} strings, got {value!r}")
+    if len(value) > MAX_STOP:
+        raise ValueError(f"stop holds {len(value)} strings; at most {MAX_STOP} are allowed")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
+    return tuple(value)
+
+
+def _logprobs(value: object) -> int | None:
+    if value is None:
+        return None
+    return _integer("logprobs", value, f"None, or an integer in [0, {MAX_LOGPROBS}] (the most likely tokens "
+                    f"to return with each token's own)", lambda k: 0 <= k <= MAX_LOGPROBS)
+# <<< ch16

@@ -40,12 +40,18 @@ from minioverlap.model.qwen3 import Qwen3ForCausalLM
 # >>> ch13: CUDA graphs
 from minioverlap.engine.cuda_graph import DecodeGraphs
 # <<< ch13
+# >>> ch16: logprobs, computed with the sample
+from minioverlap.engine.logprobs import StepLogprobs, TokenLogprob, step_logprobs
+# <<< ch16
 
 class ModelRunner:
     """The model and the device state a step touches, one step at a time."""
     # >>> ch13: no graphs unless init_graphs captures them
     graphs: DecodeGraphs | None = None
     # <<< ch13
+    # >>> ch16: the logprobs of the step being launched (None: no request asked), until run hands them to it
+    logprobs: StepLogprobs | None = None
+    # <<< ch16
 
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int | None, page_size: int, max_running: int,
                  max_seq_len: int,
@@ -172,15 +178,25 @@ class ModelRunner:
         # >>> ch08: the fence's event: the step has read what it reads of the tables the scheduler writes
         read_done = self.streams.record()
         # <<< ch08
-        tokens = sample(self.forward(batch, input_ids, ctx), batch.reqs)
+        # >>> ch16 replaces ch04: the logits kept: the step's logprobs come from them, with its sample
+        #| tokens = sample(self.forward(batch, input_ids, ctx), batch.reqs)
+        logits = self.forward(batch, input_ids, ctx)
+        tokens = sample(logits, batch.reqs)
+        self.logprobs = step_logprobs(logits[:, None], tokens[:, None], batch.reqs)   # a window of one
+        # <<< ch16
         # >>> ch05: the token stays on the device, where the next step reads it
         self.tables.write_next_tokens(batch, tokens)
         # <<< ch05
         window = tokens[:, None], torch.ones(len(tokens), dtype=torch.int64)     # a window of one token, accepted
-        # >>> ch08 replaces ch04: with the fence's event
+        # >>> ch08 removes ch04: with the fence's event (below)
         #| return self.output(step, batch, input_ids, *window)
-        return self.output(step, batch, input_ids, *window, read_done)
         # <<< ch08
+        # >>> ch16 replaces ch08: with the step's logprobs
+        #| return self.output(step, batch, input_ids, *window, read_done)
+        out = self.output(step, batch, input_ids, *window, read_done)
+        out.logprobs = self.logprobs
+        return out
+        # <<< ch16
 
     def output(self, step: int, batch: ForwardBatch, input_ids: torch.Tensor, tokens: torch.Tensor,
                accept_lens: torch.Tensor,
@@ -206,6 +222,17 @@ class ModelRunner:
         #|     out.copy_done.synchronize()
         self.streams.host_wait(out.copy_done, f"the host waits for step {out.step}'s tokens")
         # <<< ch08
+    # >>> ch16: a handled step's logprobs
+
+    def logprob_lists(self, out: StepOutput) -> list[list[TokenLogprob] | None]:
+        """Each request's logprobs of the tokens out.token_lists() gives it (None: it did not ask), on the
+        host once `wait` has returned. The step's own: in the overlap loop the runner's self.logprobs
+        already belong to the next step, launched before this one is handled."""
+        logprobs = out.logprobs
+        if logprobs is None:
+            return [None] * len(out.batch.reqs)
+        return logprobs.lists(out.accept_lens_cpu.tolist(), out.batch.reqs)
+    # <<< ch16
     # >>> ch09: what the host learns when it handles a step
 
     def commit(self, req: Req, tokens: list[int], out: StepOutput) -> None:

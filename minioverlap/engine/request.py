@@ -9,6 +9,10 @@ import torch
 # <<< ch03
 
 from minioverlap.sampling_params import SamplingParams
+# >>> ch16: logprobs and stop strings
+from minioverlap.engine.logprobs import TokenLogprob
+from minioverlap.text import TextStream
+# <<< ch16
 
 
 @dataclass(eq=False)
@@ -38,6 +42,10 @@ class Req:
     #| draft: tuple[torch.Tensor, torch.Tensor] | None = None   # next first draft token, MTP hidden state: on the device
     # <<< ch10
     # <<< ch09
+    # >>> ch16: logprobs and stop strings
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # of output_ids, if params.logprobs is not None
+    text: TextStream | None = None      # its output as text, searched for params.stop (None: no stop strings)
+    # <<< ch16
 
     @property
     def finished(self) -> bool:
@@ -48,6 +56,10 @@ class Req:
         end of the context -> "length"."""
         if self.output_ids and self.output_ids[-1] in self.stop_ids:
             return "stop"
+        # >>> ch16: a stop string in the text of the tokens received, the newest one's included
+        if self.text is not None and self.text.holds_stop(self.output_ids):
+            return "stop"
+        # <<< ch16
         return "length" if len(self.output_ids) >= self.max_new_tokens else None
     # >>> ch04: what the CPU knows at launch
 

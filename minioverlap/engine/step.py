@@ -11,6 +11,9 @@ import torch
 from minioverlap.device.streams import Event
 # <<< ch08
 from minioverlap.engine.forward_batch import ForwardBatch
+# >>> ch16: logprobs, copied with the tokens
+from minioverlap.engine.logprobs import StepLogprobs
+# <<< ch16
 
 
 @dataclass(eq=False)
@@ -39,6 +42,9 @@ class StepOutput:
     # >>> ch06: GPU timestamps of the step (None on CPU)
     gpu_events: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)   # start, end
     # <<< ch06
+    # >>> ch16: the logprobs, if a request of the step asked: computed with its sample, copied before its tokens
+    logprobs: StepLogprobs | None = None
+    # <<< ch16
 
     def token_lists(self) -> list[list[int]]:
         """Each request's tokens of the step, on the host: its window, cut to its accept length."""

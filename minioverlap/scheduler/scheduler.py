@@ -30,6 +30,9 @@ from minioverlap.config import Guards
 # <<< ch08
 from minioverlap.device.trace import Trace
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+# >>> ch16: logprobs
+from minioverlap.engine.logprobs import TokenLogprob
+# <<< ch16
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
@@ -45,6 +48,9 @@ class Reply:
     # >>> ch07: why a request failed alone
     error: str | None = None
     # <<< ch07
+    # >>> ch16: logprobs
+    logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, if the request asked
+    # <<< ch16
 
 
 # >>> ch16: a server's run lasts as long as its busy period, for ever under load: its trace keeps the last events
@@ -262,6 +268,10 @@ class Scheduler:
         self.release_deferred(out.step)
         # <<< ch07
         replies = [self.handle_tokens(req, tokens, out) for req, tokens in zip(out.batch.reqs, out.token_lists())]
+        # >>> ch16: each reply's logprobs: this step's, of exactly the tokens it carries
+        for req, reply, logprobs in zip(out.batch.reqs, replies, self.runner.logprob_lists(out)):
+            self.add_logprobs(req, reply, logprobs)
+        # <<< ch16
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
         replies = [r for r in replies if r is not None]
         # <<< ch07
@@ -321,6 +331,17 @@ class Scheduler:
         return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason)
         # <<< exercise 12.1
     # <<< ch09
+    # >>> ch16: logprobs
+
+    def add_logprobs(self, req: Req, reply: Reply | None, logprobs: list[TokenLogprob] | None) -> None:
+        """The logprobs of a request's window (None if it did not ask), cut as its reply's tokens were cut:
+        to the token that finished it (a stop token or string, max_tokens), to none for a step handled
+        after it finished (no reply)."""
+        if reply is None or logprobs is None:
+            return
+        reply.logprobs = logprobs[:len(reply.token_ids)]
+        req.logprobs += reply.logprobs
+    # <<< ch16
 
     # ---- admission, abort, frees
     def admit(self) -> list[Req]:

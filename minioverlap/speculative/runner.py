@@ -50,6 +50,9 @@ from functools import partial
 
 from minioverlap.speculative.graphs import SpecGraphs
 # <<< ch13
+# >>> ch16: logprobs, computed with the sample
+from minioverlap.engine.logprobs import step_logprobs
+# <<< ch16
 
 
 class SpecRunner(ModelRunner):
@@ -88,7 +91,12 @@ class SpecRunner(ModelRunner):
         started on their way to the host with the fence's event."""
         verify = batch.mode is ForwardMode.TARGET_VERIFY
         tokens, accept_lens, input_ids, read_done = self.verify(batch) if verify else self.prefill(batch)
-        return self.output(step, batch, input_ids, tokens, accept_lens, read_done)
+        # >>> ch16 replaces ch09: with the step's logprobs
+        #| return self.output(step, batch, input_ids, tokens, accept_lens, read_done)
+        out = self.output(step, batch, input_ids, tokens, accept_lens, read_done)
+        out.logprobs = self.logprobs
+        return out
+        # <<< ch16
 
     def prefill(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
         """The target over the prompts, the bonus token sampled, the draft extend over the prompts ->
@@ -99,7 +107,14 @@ class SpecRunner(ModelRunner):
         # <<< ch12
         hidden = self.target(batch, input_ids, ctx)
         self.record_kv_accesses(batch)
-        bonus = sample(self.model.compute_logits(hidden[batch.last_index]), batch.reqs)
+        # >>> ch16 replaces ch09: the logits kept, for the logprobs
+        #| bonus = sample(self.model.compute_logits(hidden[batch.last_index]), batch.reqs)
+        logits = self.model.compute_logits(hidden[batch.last_index])
+        bonus = sample(logits, batch.reqs)
+        # the bonus token's logprobs: from these logits, in this step, on their way to the host before the
+        # tokens' copy (run hands them to the step)
+        self.logprobs = step_logprobs(logits[:, None], bonus[:, None], batch.reqs)
+        # <<< ch16
         self.tables.write_next_tokens(batch, bonus)
         # >>> ch10: where each request's first window starts
         self.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens)
@@ -124,7 +139,12 @@ class SpecRunner(ModelRunner):
         # <<< ch12
         hidden = passes.target(batch, input_ids, ctx)
         self.record_kv_accesses(batch)
-        tokens, accept_lens = accept(self.model.compute_logits(hidden).view(B, W, -1), drafts, batch.reqs)
+        # >>> ch16 replaces ch09: the logits kept: each window token's logprobs come from its own row
+        #| tokens, accept_lens = accept(self.model.compute_logits(hidden).view(B, W, -1), drafts, batch.reqs)
+        logits = self.model.compute_logits(hidden).view(B, W, -1)
+        tokens, accept_lens = accept(logits, drafts, batch.reqs)
+        self.logprobs = step_logprobs(logits, tokens, batch.reqs)
+        # <<< ch16
         self.tables.write_window(batch, tokens)              # the accepted tokens, and the next bonus at L + accept_len
         # >>> ch10: where each request's next window starts
         self.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens - W + accept_lens)
