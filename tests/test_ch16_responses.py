@@ -1,21 +1,21 @@
 # >>> ch16 file: the server's pieces without a server
-"""Chapter 16: the server's pieces that need no engine. Stop strings cut the text (held back across
-deltas); logprobs, made by hand as the engine's TokenLogprob (`.logprob`, `.top`), cross the pipe as
-tuples and come out in OpenAI's two shapes; an exception inside a route is a 500 in OpenAI's body."""
+"""Chapter 16: the server's pieces that need no engine. Logprobs, made by hand as the engine's
+TokenLogprob (`.logprob`, `.top`), cross the pipe as tuples and come out in OpenAI's two shapes; an
+exception inside a route is a 500 in OpenAI's body. (The text cut at a stop string is the TextStream's,
+tested in test_ch16_logprobs_stop.py.)"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 from fastapi.testclient import TestClient
 
+from minioverlap.engine.logprobs import TokenLogprob
 from minioverlap.server.api import Served, create_app
 from minioverlap.server.engine import logprobs
 from minioverlap.server.messages import Tokens
 from minioverlap.server.responses import Chat, Choice, Completion
-from minioverlap.server.text import Detokenizer, StopText
 
 WORDS = {1: "def", 2: " f", 3: "(x", 4: "):", 5: "\n"}
 
@@ -24,24 +24,10 @@ def decode(ids: list[int]) -> str:
     return "".join(WORDS[t] for t in ids)
 
 
-@dataclass
-class TokenLogprob:                  # the engine's, as its engineer defines it: the chosen token's, the top k
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-def test_a_stop_string_split_across_deltas_is_cut_and_never_sent():
-    stop = StopText(("):\n", "zzz"))
-    sent = [stop.add(d) for d in ("def f(x)", ":", "\n", "more")]
-    assert sent == ["def f(x", "", "", ""] and stop.stopped
-    free = StopText(("zzz",))
-    assert [free.add(d) for d in ("a z", "zb")] + [free.add("z", last=True)] == ["a ", "zzb", "z"] and not free.stopped
-
-
 def test_logprobs_cross_the_pipe_and_take_openais_shapes():
     reply = SimpleNamespace(logprobs=[TokenLogprob(-0.1, [(1, -0.1), (3, -2.5)]), TokenLogprob(-0.7, [(2, -0.7), (4, -1.0)])])
     msg = Tokens(9, [1, 2], True, "length", None, logprobs(reply))
-    choice = Choice(0, 9, Detokenizer(decode), StopText(()))
+    choice = Choice(0, 9, SimpleNamespace(add=lambda ids, finished=False: decode(ids)))   # a TextStream's add
     assert choice.take(msg) == "def f" and choice.finish_reason == "length"
     legacy = Completion("tiny", lambda t: WORDS[t], logprobs=2).chunk(choice, "def f")["choices"][0]["logprobs"]
     assert legacy == {"tokens": ["def", " f"], "token_logprobs": [-0.1, -0.7],
@@ -51,7 +37,7 @@ def test_logprobs_cross_the_pipe_and_take_openais_shapes():
                        "top_logprobs": [{"token": " f", "logprob": -0.7, "bytes": [32, 102]},
                                         {"token": "):", "logprob": -1.0, "bytes": [41, 58]}]}
     assert Completion("tiny", lambda t: WORDS[t]).chunk(choice, "")["choices"][0]["logprobs"] is None
-    assert logprobs(SimpleNamespace(logprobs=None)) is None and logprobs(SimpleNamespace()) is None
+    assert logprobs(SimpleNamespace(logprobs=None)) is None
 
 
 def test_a_failure_inside_a_route_is_a_500_in_openais_body():

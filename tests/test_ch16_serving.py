@@ -221,8 +221,6 @@ def test_a_client_that_leaves_a_stream_of_n_choices_aborts_them_all(server, clie
     assert report["free_pages"] == report["usable_pages"] and report["free_rows"] == report["max_running"]
 
 
-@pytest.mark.skipif("logprobs" not in SamplingParams.__dataclass_fields__,
-                    reason="enable once the engine's SamplingParams.logprobs and Reply.logprobs are merged")
 def test_logprobs_come_with_each_token(client):
     out = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=6, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs

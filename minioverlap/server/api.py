@@ -31,7 +31,8 @@ from minioverlap.server.messages import Tokens
 from minioverlap.server.protocol import (APIError, ChatRequest, CompletionRequest, GenerateRequest, chat_request,
                                          completion_request, invalid_value, parse, parse_json, sampling_params)
 from minioverlap.server.responses import Chat, Choice, Choices, Completion, Shape
-from minioverlap.server.text import ChatTemplate, Detokenizer, StopText
+from minioverlap.server.text import ChatTemplate
+from minioverlap.text import TextStream
 
 
 @dataclass
@@ -124,7 +125,7 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
         except EngineGone as err:
             raise APIError(str(err), status=503, type="server_error") from None
         shape.rid, shape.prompt_tokens = rids[0], len(ids)
-        choices = Choices([Choice(i, rid, Detokenizer(served.processor.decode), StopText(req.stop))
+        choices = Choices([Choice(i, rid, TextStream(served.processor.tokenizer, req.stop))
                            for i, rid in enumerate(rids)])
         if not req.stream:
             return await gather(engine, request, queue, choices, shape)
@@ -184,8 +185,6 @@ async def stream(engine: EngineClient, queue: asyncio.Queue, choices: Choices, s
                 break
             if (choice := choices.of(msg)) is not None:
                 yield event(shape.chunk(choice, choice.take(msg)))
-                if choice.finished and not choice.engine_done:     # a stop string ended it
-                    engine.abort(choice.rid)
         if include_usage and choices.finished:
             yield event(shape.usage_chunk(choices.tokens))
         yield "[DONE]"
@@ -234,8 +233,6 @@ async def all_tokens(engine: EngineClient, queue: asyncio.Queue,
         if (choice := choices.of(msg)) is not None:
             texts[choice.index][0].append(choice.take(msg))
             texts[choice.index][1].extend(choice.logprobs)
-            if choice.finished and not choice.engine_done:     # a stop string ended it
-                engine.abort(choice.rid)
     return None, texts
 
 

@@ -85,7 +85,8 @@ class EngineLoop:
         """The HTTP side has checked the request (Processor.make_request, where an error becomes a 400):
         it is not checked again here, but for what only the scheduler knows, whether it could ever fit
         the page pool. The HTTP side's id becomes its uid."""
-        req = Req(msg.rid, msg.prompt_ids, msg.params, msg.max_new_tokens, frozenset(msg.stop_ids))
+        req = Req(msg.rid, msg.prompt_ids, msg.params, msg.max_new_tokens, frozenset(msg.stop_ids),
+                  text=self.llm.processor.text_stream(msg.params))      # where its stop strings are found
         try:
             self.scheduler.check_fits_pool(req)
         except ValueError as err:
@@ -112,5 +113,4 @@ def tokens(reply: Reply) -> Tokens:
 
 def logprobs(reply: Reply) -> list[tuple[float, list[tuple[int, float]]]] | None:
     """The reply's TokenLogprobs (a request that asked for them), as plain tuples for the pipe."""
-    got = getattr(reply, "logprobs", None)            # Reply.logprobs: with SamplingParams.logprobs
-    return None if got is None else [(t.logprob, list(t.top)) for t in got]
+    return None if reply.logprobs is None else [(t.logprob, list(t.top)) for t in reply.logprobs]

@@ -303,15 +303,10 @@ def sampling_params(req: GenerateRequest, prompt_len: int, max_seq_len: int) -> 
 
 
 def engine_params(fields: dict, stop: tuple[str, ...], logprobs: int | None) -> SamplingParams:
-    """SamplingParams with the stop strings and logprobs where the engine takes them (SamplingParams.stop,
-    .logprobs). The server cuts the text at a stop string itself (StopText), so stop works without the
-    engine's help (it then runs a step or two longer); logprobs only the engine can give."""
-    known = SamplingParams.__dataclass_fields__
-    if logprobs is not None and "logprobs" not in known:
-        raise APIError("logprobs is not supported by this engine yet (SamplingParams has no logprobs)",
-                       param="logprobs", code="unsupported_parameter")
-    wired = {"stop": stop} if stop and "stop" in known else {}
-    return SamplingParams(**fields, **wired, **({"logprobs": logprobs} if logprobs is not None else {}))
+    """SamplingParams with the stop strings and logprobs: the engine ends a request on its stop string
+    (the scheduler searches the text of the tokens it has received) and computes the logprobs with the
+    sample, on the device; the HTTP side only cuts the text it sends (minioverlap/text.py)."""
+    return SamplingParams(**fields, stop=stop, logprobs=logprobs)
 
 
 def invalid_value(err: ValueError) -> APIError:

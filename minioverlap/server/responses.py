@@ -1,9 +1,10 @@
 # >>> ch16 file: the response bodies
 """The response bodies of the two endpoints, and the state of each choice while its tokens come in.
 
-A request with n choices is n requests to the engine; each choice has its own text (a Detokenizer), its
-own stop strings (StopText) and its own count of tokens. The usage adds up the choices' tokens; the
-prompt is counted once, as OpenAI counts it.
+A request with n choices is n requests to the engine; each choice has its own text (a TextStream, which
+never sends a stop string or the start of one: the engine ends the request on the token that completes
+it) and its own count of tokens. The usage adds up the choices' tokens; the prompt is counted once, as
+OpenAI counts it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minioverlap.server.messages import Tokens
-from minioverlap.server.text import Detokenizer, StopText
+from minioverlap.text import TextStream
 
 Logprob = tuple[int, float, list[tuple[int, float]]]     # a token, its logprob, the top (token, logprob)
 
@@ -22,11 +23,9 @@ Logprob = tuple[int, float, list[tuple[int, float]]]     # a token, its logprob,
 class Choice:
     index: int
     rid: int                           # its request in the engine
-    text: Detokenizer                  # any object with add(ids, last) -> str
-    stop: StopText
+    text: TextStream                   # its text as the tokens come, cut at a stop string
     tokens: int = 0
-    finish_reason: str | None = None   # the server's: "stop" when a stop string ended the text
-    engine_done: bool = False          # the engine has ended its request (a stop string ends it earlier here)
+    finish_reason: str | None = None   # the engine's, once it has ended the request
     logprobs: list[Logprob] = field(default_factory=list)   # the last message's
     sent: int = 0                      # characters of text given out
     offset: int = 0                    # of them, those before the last message's text
@@ -36,15 +35,12 @@ class Choice:
         return self.finish_reason is not None
 
     def take(self, msg: Tokens) -> str:
-        """The text a Tokens message adds, cut at a stop string."""
+        """The text a Tokens message adds, never past a stop string."""
         self.tokens += len(msg.token_ids)
-        self.engine_done = msg.finished
         self.logprobs = [(t, lp, top) for t, (lp, top) in zip(msg.token_ids, msg.logprobs or [])]
-        delta = self.stop.add(self.text.add(msg.token_ids, last=msg.finished), last=msg.finished)
+        delta = self.text.add(msg.token_ids, finished=msg.finished)
         self.offset, self.sent = self.sent, self.sent + len(delta)
-        if self.stop.stopped:
-            self.finish_reason = "stop"
-        elif msg.finished:
+        if msg.finished:
             self.finish_reason = msg.finish_reason
         return delta
 
@@ -56,7 +52,7 @@ class Choices:
         self.all, self.by_rid = choices, {c.rid: c for c in choices}
 
     def of(self, msg: Tokens) -> Choice | None:
-        """The choice a message is for; None once it has finished (the end of a request a stop string ended)."""
+        """The choice a message is for; None once it has finished."""
         choice = self.by_rid.get(msg.rid)
         return None if choice is None or choice.finished else choice
 
@@ -70,7 +66,7 @@ class Choices:
 
     def running(self) -> list[int]:
         """The engine ids still running there: to abort when the client leaves."""
-        return [c.rid for c in self.all if not c.engine_done]
+        return [c.rid for c in self.all if not c.finished]
 
 
 class Shape:
