@@ -5,7 +5,7 @@ They are computed on the device, in the step that samples the tokens, from the s
 on their way to the host before the tokens' copy: the copy-done event the scheduler waits on before it
 handles the step covers them too. Computing them later, when the step is handled, would be wrong in the
 overlap loop: by then the next step has been launched, and whatever the runner holds is that step's
-(SGLang's overlap scheduler had exactly this bug: #1795, "the logprob copy follows the copy_done event").
+(SGLang's overlap scheduler met this bug; its #1795 queues the logprobs' copy before the same copy-done event).
 
 They are the model's raw distribution, log_softmax of the target's logits at that position: before the
 temperature, top-k and top-p that a sampled request draws from (what vLLM returns by default). With MTP
