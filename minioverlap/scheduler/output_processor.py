@@ -1,0 +1,124 @@
+# >>> ch04 file: what the scheduler does with a step's result
+"""Processing a step's result on the host: each request's tokens appended, the stop rules applied, the
+finished freed, and a reply for each client. The Scheduler (scheduler.py) takes these methods from this
+class, as SGLang's Scheduler takes its own from SchedulerOutputProcessorMixin
+(managers/scheduler_output_processor_mixin.py): the loop in one file, what it does with a result in
+another. They use the scheduler's runner, trace and frees.
+
+In the overlap loop (chapter 06) this is where results arrive one step late, and where chapter 07's
+four bugs and their fixes live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minioverlap.engine.request import Req
+from minioverlap.engine.step import StepOutput
+# >>> ch16: logprobs
+from minioverlap.engine.logprobs import TokenLogprob
+# <<< ch16
+
+
+@dataclass
+class Reply:
+    """What a streaming client receives after a step: its new tokens, and whether it is done."""
+    uid: int
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    # >>> ch07: why a request failed alone
+    error: str | None = None
+    # <<< ch07
+    # >>> ch16: logprobs
+    logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, if the request asked
+    # <<< ch16
+
+
+class OutputProcessorMixin:
+    """The result-handling methods of Scheduler."""
+
+    def process(self, out: StepOutput) -> list[Reply]:
+        """Handle each request's token of the step, and reply."""
+        # >>> ch06: the step is done; what waited for it can go
+        self.in_flight.remove(out)
+        self.trace.record_gpu(out.step, *out.gpu_events)
+        # <<< ch06
+        # >>> ch07 fix slot-reuse: slots and pages that waited for this step to be handled
+        self.release_deferred(out.step)
+        # <<< ch07
+        replies = [self.handle_tokens(req, tokens, out) for req, tokens in zip(out.batch.reqs, out.token_lists())]
+        # >>> ch16: each reply's logprobs: this step's, of exactly the tokens it carries
+        for req, reply, logprobs in zip(out.batch.reqs, replies, self.runner.logprob_lists(out)):
+            self.add_logprobs(req, reply, logprobs)
+        # <<< ch16
+        # >>> ch07 fix stale-reply: no reply for a token that must change nothing
+        replies = [r for r in replies if r is not None]
+        # <<< ch07
+        self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
+        self.trace.record("reply", out.step, [r.uid for r in replies])
+        return replies
+
+    def handle_tokens(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
+        """A request's tokens of one step, on the host (StepOutput.token_lists: its window, cut to its
+        accept length): a window of one, until chapter 09's speculative steps give several. From
+        chapter 07 a request whose step failed for it alone ends here, with its error; from chapter 09
+        every window goes to handle_window, a plain step's window of one too."""
+        # >>> ch07: its step failed for it alone: it ends here, with its error
+        if req.error is not None and not req.finished:
+            return self.fail(req)
+        # <<< ch07
+        # >>> ch09 replaces ch04: a window of tokens, handled one by one
+        #| return self.handle(req, tokens[0])
+        return self.handle_window(req, tokens, out)
+        # <<< ch09
+
+    def handle(self, req: Req, token: int) -> Reply | None:
+        """One request's token: append it, apply the stop rules (a request they end is freed), and
+        make its reply. From chapter 07: None for a request that finished in an earlier handle, whose
+        token must change nothing (in the overlap loop it was launched once more before it finished)."""
+        # >>> exercise 07.1 from ch06: repair the naive result handling
+        # >>> ch07 fix stale-reply: finished in an earlier handle, it was launched again; drop the token
+        if req.finished:
+            return None
+        # <<< ch07
+        # >>> exercise 04.2: handle a step's result
+        req.output_ids.append(token)
+        # >>> ch07 fix early-finish replaces ch04: decide by the tokens actually received
+        #| if token in req.stop_ids or not req.can_decode:     # by what was launched: one step ahead in the overlap loop
+        #|     req.finish_reason = "stop" if token in req.stop_ids else "length"
+        req.finish_reason = req.check_stop()
+        # <<< ch07
+        if req.finished:
+            self.free(req)
+        return Reply(req.uid, [token], req.finished, req.finish_reason)
+        # <<< exercise 04.2
+        # <<< exercise 07.1
+
+    # >>> ch09: with MTP, a window of accepted tokens
+
+    def handle_window(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:
+        """A request's window of tokens: committed (the runner counts them and the target pass that made
+        them), then handled one by one: those after the one that finishes the request change nothing.
+        One reply carries them all. A window handled after its request finished (the overlap loop
+        launched it once more, chapter 07) commits nothing and replies nothing."""
+        # >>> exercise 12.1: finishing inside a window
+        if not req.finished:
+            self.runner.commit(req, tokens, out)
+        replies = [r for r in (self.handle(req, t) for t in tokens) if r is not None]
+        if not replies:
+            return None
+        return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason)
+        # <<< exercise 12.1
+    # <<< ch09
+    # >>> ch16: logprobs
+
+    def add_logprobs(self, req: Req, reply: Reply | None, logprobs: list[TokenLogprob] | None) -> None:
+        """The logprobs of a request's window (None if it did not ask), cut as its reply's tokens were cut:
+        to the token that finished it (a stop token or string, max_tokens), to none for a step handled
+        after it finished (no reply)."""
+        if reply is None or logprobs is None:
+            return
+        reply.logprobs = logprobs[:len(reply.token_ids)]
+        req.logprobs += reply.logprobs
+    # <<< ch16
