@@ -15,14 +15,18 @@ the verify pass's logits give each accepted token's (and the bonus token's) from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from minioverlap.device.transfer import to_host
+from minioverlap.sampling_params import SamplingParams
 
-if TYPE_CHECKING:                        # a request holds its TokenLogprobs: request.py imports this module
-    from minioverlap.engine.request import Req
+
+class Req(Protocol):
+    """What this module reads of a request (engine/request.py's Req, which holds its TokenLogprobs and
+    so imports this module): its sampling parameters."""
+    params: SamplingParams
 
 
 @dataclass
