@@ -6,7 +6,10 @@ It starts `minioverlap serve` (the tiny model, the overlap loop, two request slo
 127.0.0.1, streams three completions at once with the `openai` client (one waits in the queue for a
 slot), leaves one of them after three chunks, and then asks the server for its integrity report: the
 request that was left was aborted, its pages and slot came back, and the server's text for the others
-equals a fresh LLM.generate's. Then it stops the server with SIGTERM, as a supervisor would.
+equals a fresh LLM.generate's. One more completion asks for a stop string and logprobs: the engine ends
+it on the token that completes the stop string, the text leaves the stop string out, and each token comes
+with its log-probability and the two likeliest. Then it stops the server with SIGTERM, as a supervisor
+would.
 """
 
 import asyncio
@@ -62,6 +65,16 @@ async def three_streams(url: str) -> list[tuple[str, str]]:
                                     complete(client, PROMPTS[2]))
 
 
+def stop_and_logprobs(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                    stop=["tuples"], logprobs=2).choices[0]
+    print(f"\nstop=['tuples']: {out.text!r} ({out.finish_reason}, {len(out.logprobs.tokens)} tokens)")
+    for token, logprob, top in list(zip(out.logprobs.tokens, out.logprobs.token_logprobs, out.logprobs.top_logprobs))[:3]:
+        likeliest = ", ".join(f"{t!r} {lp:.2f}" for t, lp in top.items())
+        print(f"  {token!r:10} logprob {logprob:6.2f}   the two likeliest: {likeliest}")
+
+
 def main() -> None:
     server, url = start_server()
     try:
@@ -76,6 +89,7 @@ def main() -> None:
         fresh = LLM("tiny").generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=24))
         same = [results[0][0], results[2][0]] == [o.text for o in fresh]
         print(f"the two that finished equal a fresh LLM.generate: {same}")
+        stop_and_logprobs(url)
     finally:
         server.send_signal(signal.SIGTERM)
         print(f"SIGTERM: the server exited with {server.wait(timeout=30)}")
