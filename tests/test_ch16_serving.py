@@ -102,16 +102,18 @@ def test_concurrent_streams_equal_llm_generate(server, reference):
     assert report["problems"] is None and report["free_pages"] == report["usable_pages"]
 
 
-def test_a_client_that_leaves_a_stream_aborts_its_request(server, client):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_leaves_a_stream_aborts_its_requests(server, client, n):
+    """A stream of n choices is n requests in the engine: a client that leaves aborts them all."""
     before = server.wait_idle()["finishes"].get("abort", 0)
-    stream = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=1000, temperature=0,
+    stream = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=1000, temperature=0, n=n,
                                        stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
-        if i == 2:
+        if i == 2 * n:
             break
     stream.close()
     report = server.wait_idle(30)
-    assert report["finishes"].get("abort", 0) == before + 1
+    assert report["finishes"].get("abort", 0) == before + n
     assert report["problems"] is None
     assert report["free_pages"] == report["usable_pages"] and report["free_rows"] == report["max_running"]
 
@@ -206,19 +208,6 @@ def test_a_stop_string_ends_the_text_before_it(client, reference):
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected.text[:expected.text.index(word)]
     assert chunks[-1].choices[0].finish_reason == "stop"
-
-
-def test_a_client_that_leaves_a_stream_of_n_choices_aborts_them_all(server, client):
-    before = server.wait_idle()["finishes"].get("abort", 0)
-    stream = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=1000, temperature=0, n=2,
-                                       stream=True, extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i == 4:
-            break
-    stream.close()
-    report = server.wait_idle(30)
-    assert report["finishes"].get("abort", 0) == before + 2
-    assert report["free_pages"] == report["usable_pages"] and report["free_rows"] == report["max_running"]
 
 
 def test_logprobs_come_with_each_token(client):
