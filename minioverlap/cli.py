@@ -17,6 +17,9 @@ from rich.markup import escape
 # >>> ch04: the event trace
 from rich.table import Table
 # <<< ch04
+# >>> ch04: the text of each reply's tokens
+from tokenizers.decoders import DecodeStream
+# <<< ch04
 # >>> ch06: side by side
 from rich.columns import Columns
 # <<< ch06
@@ -46,8 +49,9 @@ def generate(args: argparse.Namespace, console: Console) -> None:
     #| console.print(out.text, markup=False, highlight=False)
     #| tokens, reason = out.token_ids, out.finish_reason
     tokens: list[int] = []
+    decoder = DecodeStream(skip_special_tokens=True)     # a token's text once its characters are complete
     for reply in llm.stream(args.prompt, params):
-        text = llm.decode(tokens + reply.token_ids)[len(llm.decode(tokens)):]
+        text = "".join(decoder.step(llm.tokenizer, t) or "" for t in reply.token_ids)
         tokens, reason = tokens + reply.token_ids, reply.finish_reason
         console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
     console.print()
