@@ -25,7 +25,8 @@ def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int | None:
 
 class TextStream:
     """One request's text, decoded token by token (DecodeStream, special tokens skipped), searched for
-    its stop strings as it grows. Only a request with stop strings needs one in the scheduler."""
+    its stop strings as it grows. Only a request with stop strings needs one in the scheduler. A
+    checkpoint without a tokenizer (tokenizer None) takes token ids and gives no text."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(stop)
@@ -40,7 +41,7 @@ class TextStream:
         """Decode more tokens. After each piece of text, search the part a new stop string can be in:
         it ends in the new piece, so it starts at most `hold` characters before it."""
         for token in ids:
-            piece = self.decoder.step(self.tokenizer, token) or ""
+            piece = self.decoder.step(self.tokenizer, token) or "" if self.tokenizer else ""   # no tokenizer: no text
             start = max(len(self.text) - self.hold, 0)
             self.text += piece
             if piece and self.end is None:

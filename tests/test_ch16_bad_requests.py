@@ -188,8 +188,8 @@ def test_an_unknown_path_or_method_gets_the_error_body(server, method, path, sta
 
 
 def test_a_10_mb_prompt_is_refused_with_413_and_stalls_no_stream(server):
-    """A body over the limit (1 MiB here) is refused before it is read: by its Content-Length, or, sent in
-    chunks with no length, once the bytes counted pass the limit. A stream running meanwhile keeps its
+    """A body over the limit (1 MiB here) is refused without being kept or parsed: by its Content-Length,
+    or, sent in chunks with no length, once the bytes counted pass the limit. A stream running meanwhile keeps its
     pace: the longest gap between its chunks stays small (the bound is generous: machines are noisy)."""
     big = json.dumps({"model": MODEL, "prompt": "def f(x):\n" * 1_000_000}).encode()
     assert len(big) > 10_000_000

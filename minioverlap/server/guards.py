@@ -6,9 +6,12 @@ the server's own (APIError), Starlette's (404 for an unknown path, 405 for a wro
 (422, a request its routes' own validation refuses) and any other exception (500, named, its traceback in
 the server's log). FastAPI's default bodies, `{"detail": ...}`, are not what OpenAI's clients read.
 
-A body larger than `max_bytes` is refused with 413 before it is read: at once when its Content-Length says
-so, else as soon as the bytes counted while it streams in pass the limit (chunked uploads name no length).
-Without a limit, a 10 MB prompt is read, parsed and tokenized whole before the context check refuses it.
+A body larger than `max_bytes` is refused with 413 and never kept, parsed or tokenized: at once when its
+Content-Length says so, else as soon as the bytes counted while it streams in pass the limit (chunked
+uploads name no length). Without a limit, a 10 MB prompt is read, parsed and tokenized whole before the
+context check refuses it. The rest of a refused body is still received, and dropped, before the answer
+goes out: a server that closes a connection whose client is still sending makes the kernel reset it, and
+the client may lose the answer (what web servers call a lingering close avoids the same).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_bytes:
             err = BodyTooLarge(self.max_bytes, length.decode())
+            await self.drop_body(receive, {"type": "http.request", "more_body": True})
             return await JSONResponse(err.body(), status_code=413, headers={"connection": "close"})(scope, receive, send)
         seen = 0
 
@@ -80,6 +84,15 @@ class BodyLimit:
             msg = await receive()
             seen += len(msg.get("body", b""))
             if seen > self.max_bytes:                 # raised in the handler's read: the APIError handler answers
+                await self.drop_body(receive, msg)
                 raise BodyTooLarge(self.max_bytes, f"more than {self.max_bytes}")
             return msg
         await self.app(scope, counted, send)
+
+    async def drop_body(self, receive: Receive, msg: Message) -> None:
+        """Receive the rest of the body and drop it, up to 64 times the limit (then the connection closes
+        anyway): the client, done sending, reads the 413."""
+        dropped = 0
+        while msg.get("more_body") and msg["type"] == "http.request" and dropped <= 64 * self.max_bytes:
+            msg = await receive()
+            dropped += len(msg.get("body", b""))
