@@ -41,7 +41,7 @@ class TextStream:
         """Decode more tokens. After each piece of text, search the part a new stop string can be in:
         it ends in the new piece, so it starts at most `hold` characters before it."""
         for token in ids:
-            piece = self.decoder.step(self.tokenizer, token) or "" if self.tokenizer else ""   # no tokenizer: no text
+            piece = (self.decoder.step(self.tokenizer, token) or "") if self.tokenizer else ""   # no tokenizer: no text
             start = max(len(self.text) - self.hold, 0)
             self.text += piece
             if piece and self.end is None:
