@@ -5,8 +5,8 @@ A request's path: its body checked (protocol.py, pydantic models), its prompt to
 against the context (the Processor of llm.py, without the model) in a worker thread, so that a long
 prompt stalls no other request; the request made (Processor.make_request: the one place it is checked,
 every error a 400) and sent to the scheduler process, then its tokens streamed back as server-sent
-events (sse-starlette frames them) or gathered into one body, detokenized on the way (text.py). A
-request with n choices is n requests to the engine. A client that leaves, whether its request runs or
+events (sse-starlette frames them) or gathered into one body, detokenized on the way (minioverlap/text.py).
+A request with n choices is n requests to the engine. A client that leaves, whether its request runs or
 still waits in the queue, aborts it: a stream's generator is cancelled when the connection closes; a
 plain request watches the connection.
 """
