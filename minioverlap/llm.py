@@ -76,7 +76,7 @@ class LLM:
         #| self.max_running = 1
         self.max_running = self.args.max_running
         # <<< ch03
-        self.runner = make_runner(self)
+        self.runner = self.make_runner()
         # <<< ch02
         # >>> ch13: the decode (or verify) step captured as CUDA graphs (on for CUDA unless cuda_graphs=False)
         if use_cuda_graphs(self.args):
@@ -85,6 +85,35 @@ class LLM:
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04
+    # >>> ch02: the paged cache
+
+    def make_runner(self) -> ModelRunner:
+        """The model runner with its pool of pages and its request slots (one before chapter 03); from
+        chapter 09, with mtp_steps, the runner that speculates with the MTP drafter."""
+        sizes = dict(num_pages=self.args.num_pages, page_size=self.args.page_size, max_running=self.max_running,
+                     max_seq_len=self.max_seq_len,
+                     # >>> ch08: the guards, and the checker for everything that records accesses
+                     guards=self.args.resolved_guards(), hazards=HazardChecker() if self.args.hazard_check else None,
+                     # <<< ch08
+                     # >>> ch15: the attention context of the path chosen at load
+                     attention=self.backend.attention,
+                     # <<< ch15
+                     )
+        # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
+        if self.args.mtp_steps:
+            return SpecRunner(self.model, self.load_drafter(), self.args.mtp_steps, **sizes)
+        # <<< ch09
+        return ModelRunner(self.model, **sizes)
+    # <<< ch02
+    # >>> ch09: the MTP drafter
+
+    def load_drafter(self) -> MTPLayer:
+        """The checkpoint's MTP layer (a ValueError if it has none)."""
+        # >>> ch15 replaces ch09: of the class chosen at load
+        #| return load_mtp(self.model_dir, self.model)
+        return load_mtp(self.model_dir, self.model, self.backend.mtp)
+        # <<< ch15
+    # <<< ch09
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.processor.encode(prompt)
@@ -183,40 +212,6 @@ class LLM:
 
     def shutdown(self) -> None:
         """Nothing to stop: the engine runs in the caller's thread, step by step."""
-
-
-# >>> ch02: the paged cache
-
-
-def make_runner(llm: LLM) -> ModelRunner:
-    """The model runner for the loaded model, with its pool of pages and its request slots (one before
-    chapter 03); from chapter 09, with mtp_steps, the runner that speculates with the MTP drafter."""
-    args = llm.args
-    sizes = dict(num_pages=args.num_pages, page_size=args.page_size, max_running=llm.max_running,
-                 max_seq_len=llm.max_seq_len,
-                 # >>> ch08: the guards, and the checker for everything that records accesses
-                 guards=args.resolved_guards(), hazards=HazardChecker() if args.hazard_check else None,
-                 # <<< ch08
-                 # >>> ch15: the attention context of the path chosen at load
-                 attention=llm.backend.attention,
-                 # <<< ch15
-                 )
-    # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
-    if args.mtp_steps:
-        return SpecRunner(llm.model, load_drafter(llm), args.mtp_steps, **sizes)
-    # <<< ch09
-    return ModelRunner(llm.model, **sizes)
-# <<< ch02
-# >>> ch09: the MTP drafter
-
-
-def load_drafter(llm: LLM) -> MTPLayer:
-    """The checkpoint's MTP layer (a ValueError if it has none)."""
-    # >>> ch15 replaces ch09: of the class chosen at load
-    #| return load_mtp(llm.model_dir, llm.model)
-    return load_mtp(llm.model_dir, llm.model, llm.backend.mtp)
-    # <<< ch15
-# <<< ch09
 
 
 def _engine_args(model: str, options: dict) -> EngineArgs:
