@@ -127,7 +127,7 @@ class EngineClient:
         return rids, queue
 
     def abort(self, rid: int) -> None:
-        """Stop a request (its client left, a stop string ended its text, or /abort asked); its last Tokens
+        """Stop a request (its client left, or /abort asked); its last Tokens
         say 'abort'. A request that has ended already is left as it is."""
         if self.alive:
             self.send(Abort(rid))
