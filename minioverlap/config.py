@@ -48,6 +48,9 @@ class EngineArgs:
     # >>> ch15: the fast path
     kernels: bool | None = None               # fused kernels and Triton attention; None: on for CUDA, off for CPU
     # <<< ch15
+    # >>> ch17: the prefix cache
+    prefix_cache: bool = True                 # False: every prompt is prefilled from scratch
+    # <<< ch17
 
     def __post_init__(self) -> None:
         """Check every option as it is given, each chapter's by its own rules (CHECKS, at the end of

@@ -98,6 +98,9 @@ class LLM:
                      # >>> ch15: the attention context of the path chosen at load
                      attention=self.backend.attention,
                      # <<< ch15
+                     # >>> ch17: the prefix cache
+                     prefix_cache=self.args.prefix_cache,
+                     # <<< ch17
                      )
         # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
         if self.args.mtp_steps:

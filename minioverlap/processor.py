@@ -36,6 +36,9 @@ class RequestOutput:
     # >>> ch16: logprobs
     logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, if params.logprobs is not None
     # <<< ch16
+    # >>> ch17: the prefix cache
+    cached_tokens: int = 0             # prompt tokens whose K and V came from the prefix cache
+    # <<< ch17
 
 
 class Processor:
@@ -125,6 +128,9 @@ class Processor:
         out.text = out.text[:find_stop(out.text, req.params.stop)]   # OpenAI leaves it out (token_ids keep it)
         out.logprobs = req.logprobs if req.params.logprobs is not None else None
         # <<< ch16
+        # >>> ch17: the prefix cache
+        out.cached_tokens = req.cached_tokens
+        # <<< ch17
         return out
 
 

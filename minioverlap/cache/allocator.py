@@ -7,12 +7,19 @@ belongs to no request: padded rows of a batch may read and write it freely.
 
 from __future__ import annotations
 
+# >>> ch17: the prefix cache gives pages back when the free list runs short
+from collections.abc import Callable
+# <<< ch17
 
 class OutOfPages(RuntimeError):
     """More pages were asked for than are free."""
 
 
 class PageAllocator:
+    # >>> ch17: the prefix cache gives pages back when the free list runs short
+    reclaim: Callable[[int], None] | None = None    # frees at least n more pages (RadixCache.evict)
+    # <<< ch17
+
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is reserved) and page_size >= 1, got {num_pages}, {page_size}")
@@ -26,6 +33,10 @@ class PageAllocator:
         return len(self.free_pages)
 
     def alloc(self, n: int) -> list[int]:
+        # >>> ch17: the prefix cache gives pages back when the free list runs short
+        if n > len(self.free_pages) and self.reclaim is not None:
+            self.reclaim(n - len(self.free_pages))
+        # <<< ch17
         if n > len(self.free_pages):
             raise OutOfPages(f"asked for {n} pages, {len(self.free_pages)} of {self.num_pages - 1} are free")
         pages = [self.free_pages.pop() for _ in range(n)]

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 # >>> ch16 replaces ch04: a server's loop also records the requests that arrive while it runs
 #| KINDS = ("schedule", "launch", "wait", "process", "reply")
-KINDS = ("receive", "schedule", "launch", "wait", "process", "reply")
+# >>> ch17 replaces ch16: and the requests whose prefill starts after a cached prefix
+#| KINDS = ("receive", "schedule", "launch", "wait", "process", "reply")
+KINDS = ("receive", "hit", "schedule", "launch", "wait", "process", "reply")
+# <<< ch17
 # <<< ch16
 
 

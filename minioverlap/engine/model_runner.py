@@ -43,6 +43,9 @@ from minioverlap.engine.cuda_graph import DecodeGraphs
 # >>> ch16: logprobs, computed with the sample
 from minioverlap.engine.logprobs import StepLogprobs, TokenLogprob, step_logprobs
 # <<< ch16
+# >>> ch17: the prefix cache
+from minioverlap.cache.radix import RadixCache
+# <<< ch17
 
 class ModelRunner:
     """The model and the device state a step touches, one step at a time."""
@@ -52,6 +55,10 @@ class ModelRunner:
     # >>> ch16: the logprobs of the step being launched (None: no request asked), until run hands them to it
     logprobs: StepLogprobs | None = None
     # <<< ch16
+    # >>> ch17: the prefix cache, if on; a drafter's cached K and V need one token more (RadixCache.match_prefix)
+    tree: RadixCache | None = None
+    drafter = False
+    # <<< ch17
 
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int | None, page_size: int, max_running: int,
                  max_seq_len: int,
@@ -61,6 +68,9 @@ class ModelRunner:
                  # >>> ch15: the attention context's class, chosen once at load (the fast path's, or PagedAttention)
                  attention: type[PagedAttention] = PagedAttention,
                  # <<< ch15
+                 # >>> ch17: the prefix cache
+                 prefix_cache: bool = False,
+                 # <<< ch17
                  ) -> None:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), sized here (num_pages=None: enough pages for every
@@ -73,6 +83,11 @@ class ModelRunner:
         check_memory(num_pages, page_size, self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize,
                      max_running, max_seq_len, str(weight.device))
         self.allocator = PageAllocator(num_pages, page_size)
+        # >>> ch17: the prefix cache holds pages too, and gives them back when the allocator runs short
+        if prefix_cache:
+            self.tree = RadixCache(self.allocator)
+            self.allocator.reclaim = self.tree.evict
+        # <<< ch17
         self.kv_pool = KVPool(c.num_hidden_layers, num_pages * page_size, c.num_key_value_heads, c.head_dim,
                               weight.dtype, weight.device)
         # >>> ch15: the fast path
@@ -286,6 +301,10 @@ class ModelRunner:
         req.generator = make_generator(req, self.device)
         self.write_prompt(req)
         # <<< ch03
+        # >>> ch17: a cached prefix: the tree's pages into its row (a write of a shared table: the fence orders it)
+        if req.cached_len:
+            self.tables.write(req.row, 0, self.allocator.kv_slots(req.pages, 0, req.cached_len))
+        # <<< ch17
     # >>> ch03: the prompt goes into token_pool
 
     def write_prompt(self, req: Req) -> None:
@@ -299,9 +318,51 @@ class ModelRunner:
 
     def release(self, req: Req) -> None:
         """Give back the request's pages and its request slot."""
-        self.allocator.free(req.pages)
-        self.tables.free(req.row)
+        # >>> ch17 replaces ch02: what handled steps computed goes into the tree; its own pages go back, its path unlocked
+        #| self.allocator.free(req.pages)
+        #| self.tables.free(req.row)
+        if self.tree is not None and req.last_node is not None:
+            if req.output_ids and req.error is None:
+                self.cache_req(req)
+            self.tree.unlock(req.last_node)
+        self.allocator.free(req.pages[req.cached_len // self.allocator.page_size:])
+        if req.row:
+            self.tables.free(req.row)
+        req.cached_len, req.last_node = 0, None
+        # <<< ch17
         req.pages, req.row = [], 0
+    # >>> ch17: the prefix cache
+
+    def match_prefix(self, req: Req) -> None:
+        """Before admission: the longest cached prefix of its prompt becomes its first pages, locked for it;
+        its prefill starts after them. `release` undoes it if it is not admitted after all."""
+        if self.tree is None:
+            return
+        pages, req.last_node = self.tree.match_prefix(req.prompt_ids, self.drafter)
+        self.tree.lock(req.last_node)
+        req.pages = pages
+        req.cached_len = req.cached_tokens = req.seq_len = len(pages) * self.allocator.page_size
+
+    def cache_req(self, req: Req) -> None:
+        """Insert the tokens whose K and V handled steps computed (all but its newest token, whose K and V
+        the next step computes) in whole pages. Pages the tree already held replace its own copies,
+        which go back (its row is rewritten: a write of a shared table, after the fence). It then locks
+        the node where they end instead of the one it held."""
+        if self.tree is None:
+            return
+        size = self.allocator.page_size
+        tokens = (req.prompt_ids + req.output_ids)[:-1]
+        n = len(tokens) // size
+        held, pages, node = self.tree.insert(tokens[:n * size], req.pages[:n])
+        start = req.cached_len // size
+        self.allocator.free(req.pages[start:held])          # its own copies of pages the tree held already
+        if held > start:
+            self.tables.write(req.row, start * size, self.allocator.kv_slots(pages, start * size, held * size))
+        req.pages[:n] = pages
+        self.tree.lock(node)
+        self.tree.unlock(req.last_node)
+        req.cached_len, req.last_node = n * size, node
+    # <<< ch17
     # >>> ch03: the host writes a token it has read back (before chapter 05 keeps it on the device)
 
     def write_next_token(self, req: Req, token: int) -> None:
@@ -316,7 +377,10 @@ class ModelRunner:
 
     @property
     def free_pages(self) -> int:
-        return self.allocator.num_free
+        # >>> ch17 replaces ch04: pages the tree holds for no running request are free to take (it evicts them)
+        #| return self.allocator.num_free
+        return self.allocator.num_free + (self.tree.evictable_pages if self.tree else 0)
+        # <<< ch17
 
     @property
     def usable_pages(self) -> int:
@@ -338,8 +402,17 @@ class ModelRunner:
         """Every page and request slot is free or owned by exactly one of `owners`, and each owner's
         req_to_token row points at its own pages."""
         problems = []
+        # >>> ch17 replaces ch04: a request owns its pages past its cached prefix; the tree owns the rest, once
+        #| owned_pages = [p for r in owners for p in r.pages]
+        owned_pages = [p for r in owners for p in r.pages[r.cached_len // self.allocator.page_size:]]
+        if self.tree is not None:
+            owned_pages += self.tree.pages()
+            problems += self.tree.problems([r.last_node for r in owners])
+            problems += [f"request {r.uid}: its cached pages are not its tree path's" for r in owners
+                         if r.pages[:r.cached_len // self.allocator.page_size] != self.tree.path_pages(r.last_node)]
+        # <<< ch17
         for what, owned, free, total in (
-                ("page", [p for r in owners for p in r.pages], self.allocator.free_pages, self.allocator.num_pages),
+                ("page", owned_pages, self.allocator.free_pages, self.allocator.num_pages),
                 ("request slot", [r.row for r in owners], self.tables.free_rows, len(self.tables.is_free))):
             counts = {i: 0 for i in range(1, total)}
             for i in [*owned, *free]:

@@ -9,6 +9,9 @@ import torch
 # <<< ch03
 
 from minioverlap.sampling_params import SamplingParams
+# >>> ch17: the prefix cache
+from minioverlap.cache.radix import Node
+# <<< ch17
 # >>> ch16: logprobs and stop strings
 from minioverlap.engine.logprobs import TokenLogprob
 from minioverlap.text import TextStream
@@ -28,6 +31,11 @@ class Req:
     pages: list[int] = field(default_factory=list)   # the pages holding its K/V, in order
     seq_len: int = 0                    # tokens whose K/V are in the cache once the launched steps run
     # <<< ch02
+    # >>> ch17: the prefix cache
+    cached_len: int = 0                 # its first tokens whose pages the prefix cache holds (pages[:cached_len // page_size])
+    last_node: Node | None = None       # the tree node where they end, locked while it runs
+    cached_tokens: int = 0              # prompt tokens served from the cache at admission
+    # <<< ch17
     # >>> ch03: per-request sampling
     generator: torch.Generator | None = None   # its own random stream when params.seed is set
     # <<< ch03

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
+# >>> ch17: a handled prefill joins the prefix cache
+from minioverlap.engine.forward_batch import ForwardMode
+# <<< ch17
 # >>> ch16: logprobs
 from minioverlap.engine.logprobs import TokenLogprob
 # <<< ch16
@@ -52,6 +55,13 @@ class OutputProcessorMixin:
         for req, reply, logprobs in zip(out.batch.reqs, replies, self.runner.logprob_lists(out)):
             self.add_logprobs(req, reply, logprobs)
         # <<< ch16
+        # >>> ch17: a handled prefill's K and V join the prefix cache (a request it ended was cached as it was freed;
+        # one aborted while it ran is dropped whole)
+        if out.batch.mode is ForwardMode.EXTEND:
+            for req in out.batch.reqs:
+                if not req.finished:
+                    self.runner.cache_req(req)
+        # <<< ch17
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
         replies = [r for r in replies if r is not None]
         # <<< ch07

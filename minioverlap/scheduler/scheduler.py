@@ -207,6 +207,10 @@ class Scheduler(OutputProcessorMixin):
             return None
         self.step += 1
         batch = self.runner.batch(mode, reqs)
+        # >>> ch17: the requests whose prefill starts after a cached prefix
+        if hits := [r.uid for r in new if r.cached_tokens]:
+            self.trace.record("hit", self.step, hits)
+        # <<< ch17
         self.trace.record("schedule", self.step, [r.uid for r in reqs])
         return batch
 
@@ -245,8 +249,17 @@ class Scheduler(OutputProcessorMixin):
     def admit(self) -> list[Req]:
         """Admit waiting requests, in order, while a slot is free and the pages cover them."""
         new = []
-        while self.waiting and self.fits(self.waiting[0]):
-            req = self.waiting.popleft()
+        # >>> ch17 replaces ch04: its cached prefix first: pages it will not allocate
+        #| while self.waiting and self.fits(self.waiting[0]):
+        #|     req = self.waiting.popleft()
+        while self.waiting:
+            req = self.waiting[0]
+            self.runner.match_prefix(req)
+            if not self.fits(req):
+                self.runner.release(req)          # its prefix unlocked again: it waits
+                break
+            self.waiting.popleft()
+        # <<< ch17
             self.runner.admit(req)
             self.running.append(req)
             new.append(req)
@@ -257,7 +270,10 @@ class Scheduler(OutputProcessorMixin):
         running requests cover every page req may need."""
         # >>> exercise 04.1: admission
         promised = sum(self.runner.pages_needed(r) - len(r.pages) for r in self.running)
-        return self.runner.free_rows > 0 and self.runner.free_pages - promised >= self.runner.pages_needed(req)
+        # >>> ch17 replaces ch04: the pages of its cached prefix are not needed again
+        #| return self.runner.free_rows > 0 and self.runner.free_pages - promised >= self.runner.pages_needed(req)
+        return self.runner.free_rows > 0 and self.runner.free_pages - promised >= self.runner.pages_needed(req) - len(req.pages)
+        # <<< ch17
         # <<< exercise 04.1
 
     def find(self, uid: int) -> Req | None:

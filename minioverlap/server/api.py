@@ -186,7 +186,10 @@ async def stream(engine: EngineClient, queue: asyncio.Queue, choices: Choices, s
             if (choice := choices.of(msg)) is not None:
                 yield event(shape.chunk(choice, choice.take(msg)))
         if include_usage and choices.finished:
-            yield event(shape.usage_chunk(choices.tokens))
+            # >>> ch17 replaces ch16: the choices' usage, with the prompt tokens served from the prefix cache
+            #| yield event(shape.usage_chunk(choices.tokens))
+            yield event(shape.usage_chunk(choices))
+            # <<< ch17
         yield "[DONE]"
     finally:
         for rid in choices.running():
@@ -219,7 +222,10 @@ async def gather(engine: EngineClient, request: Request, queue: asyncio.Queue, c
     if failure is not None:
         body = error_body(failure)
         return JSONResponse(body, status_code=503 if isinstance(failure, EngineGone) else 500)
-    return JSONResponse(shape.full([(c, "".join(t), lps) for c, (t, lps) in zip(choices.all, texts)], choices.tokens))
+    # >>> ch17 replaces ch16: the choices' usage, with the prompt tokens served from the prefix cache
+    #| return JSONResponse(shape.full([(c, "".join(t), lps) for c, (t, lps) in zip(choices.all, texts)], choices.tokens))
+    return JSONResponse(shape.full([(c, "".join(t), lps) for c, (t, lps) in zip(choices.all, texts)], choices))
+    # <<< ch17
 
 
 async def all_tokens(engine: EngineClient, queue: asyncio.Queue,

@@ -45,6 +45,9 @@ class EngineLoop:
         self.inbox, self.outbox = inbox, outbox
         self.stopping = False
         self.finishes: dict[str, int] = {}
+        # >>> ch17: each running request, for its cached_tokens
+        self.reqs: dict[int, Req] = {}
+        # <<< ch17
 
     def serve(self) -> None:
         while not self.stopping:
@@ -52,8 +55,14 @@ class EngineLoop:
             if self.scheduler.busy:
                 replies = self.scheduler.run(self.llm.args.overlap, self.receive, self.first_tokens_first)
                 for reply in replies:
-                    self.outbox.send(tokens(reply))
+                    # >>> ch17 replaces ch16: with the prompt tokens its request found in the prefix cache
+                    #| self.outbox.send(tokens(reply))
+                    self.outbox.send(tokens(reply, self.reqs[reply.uid].cached_tokens))
+                    # <<< ch17
                     if reply.finished:
+                        # >>> ch17: each running request, for its cached_tokens
+                        del self.reqs[reply.uid]
+                        # <<< ch17
                         self.finishes[reply.finish_reason] = self.finishes.get(reply.finish_reason, 0) + 1
 
     def receive(self) -> bool:
@@ -93,6 +102,9 @@ class EngineLoop:
             self.outbox.send(Rejected(msg.rid, str(err)))
             return
         self.scheduler.add_request(req)
+        # >>> ch17: each running request, for its cached_tokens
+        self.reqs[msg.rid] = req
+        # <<< ch17
         self.outbox.send(Accepted(msg.rid))
 
     def report(self) -> Report:
@@ -107,8 +119,13 @@ class EngineLoop:
                       self.llm.backend.kernels)
 
 
-def tokens(reply: Reply) -> Tokens:
-    return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply))
+# >>> ch17 replaces ch16: with the prompt tokens its request found in the prefix cache
+#| def tokens(reply: Reply) -> Tokens:
+#|     return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply))
+def tokens(reply: Reply, cached_tokens: int) -> Tokens:
+    return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply),
+                  cached_tokens)
+# <<< ch17
 
 
 def logprobs(reply: Reply) -> list[tuple[float, list[tuple[int, float]]]] | None:

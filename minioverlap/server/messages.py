@@ -68,6 +68,9 @@ class Tokens:
     finish_reason: str | None
     error: str | None                 # why it failed alone (finish_reason "error")
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None   # per token: its logprob, the top (id, logprob)
+    # >>> ch17: the prefix cache
+    cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    # <<< ch17
 
 
 @dataclass

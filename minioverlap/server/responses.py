@@ -29,6 +29,9 @@ class Choice:
     logprobs: list[Logprob] = field(default_factory=list)   # the last message's
     sent: int = 0                      # characters of text given out
     offset: int = 0                    # of them, those before the last message's text
+    # >>> ch17: the prefix cache
+    cached_tokens: int = 0             # prompt tokens its request found in the prefix cache
+    # <<< ch17
 
     @property
     def finished(self) -> bool:
@@ -37,6 +40,9 @@ class Choice:
     def take(self, msg: Tokens) -> str:
         """The text a Tokens message adds, never past a stop string."""
         self.tokens += len(msg.token_ids)
+        # >>> ch17: the prefix cache
+        self.cached_tokens = msg.cached_tokens
+        # <<< ch17
         self.logprobs = [(t, lp, top) for t, (lp, top) in zip(msg.token_ids, msg.logprobs or [])]
         delta = self.text.add(msg.token_ids, finished=msg.finished)
         self.offset, self.sent = self.sent, self.sent + len(delta)
@@ -63,6 +69,13 @@ class Choices:
     @property
     def tokens(self) -> int:
         return sum(c.tokens for c in self.all)
+    # >>> ch17: the prefix cache
+
+    @property
+    def cached_tokens(self) -> int:
+        """The prompt's tokens served from the prefix cache, counted once, as its first choice's."""
+        return self.all[0].cached_tokens
+    # <<< ch17
 
     def running(self) -> list[int]:
         """The engine ids still running there: to abort when the client leaves."""
@@ -82,13 +95,23 @@ class Shape:
     def head(self, object_name: str) -> dict:
         return {"id": f"{self.prefix}-{self.rid}", "object": object_name, "created": self.created, "model": self.model}
 
-    def usage(self, tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens,
-                "total_tokens": self.prompt_tokens + tokens}
+    # >>> ch17 replaces ch16: the choices' usage, with the prompt tokens served from the prefix cache (OpenAI's field)
+    #| def usage(self, tokens: int) -> dict:
+    #|     return {"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens,
+    #|             "total_tokens": self.prompt_tokens + tokens}
+    #|
+    #| def usage_chunk(self, tokens: int) -> dict:
+    #|     return self.head(self.object + ".chunk" if self.first_chunk else self.object) | {
+    #|         "choices": [], "usage": self.usage(tokens)}
+    def usage(self, choices: Choices) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": choices.tokens,
+                "total_tokens": self.prompt_tokens + choices.tokens,
+                "prompt_tokens_details": {"cached_tokens": choices.cached_tokens}}
 
-    def usage_chunk(self, tokens: int) -> dict:
+    def usage_chunk(self, choices: Choices) -> dict:
         return self.head(self.object + ".chunk" if self.first_chunk else self.object) | {
-            "choices": [], "usage": self.usage(tokens)}
+            "choices": [], "usage": self.usage(choices)}
+    # <<< ch17
 
     def logprobs(self, entries: list[Logprob], offset: int = 0) -> dict | None:
         return None if self.want_logprobs is None else self.format_logprobs(entries, offset)
@@ -104,8 +127,12 @@ class Completion(Shape):
         return {"index": choice.index, "text": text, "logprobs": self.logprobs(logprobs, offset),
                 "finish_reason": choice.finish_reason}
 
-    def full(self, choices: list[tuple[Choice, str, list[Logprob]]], tokens: int) -> dict:
-        return self.head(self.object) | {"choices": [self.choice(*c) for c in choices], "usage": self.usage(tokens)}
+    # >>> ch17 replaces ch16: the choices' usage
+    #| def full(self, choices: list[tuple[Choice, str, list[Logprob]]], tokens: int) -> dict:
+    #|     return self.head(self.object) | {"choices": [self.choice(*c) for c in choices], "usage": self.usage(tokens)}
+    def full(self, choices: list[tuple[Choice, str, list[Logprob]]], usage: Choices) -> dict:
+        return self.head(self.object) | {"choices": [self.choice(*c) for c in choices], "usage": self.usage(usage)}
+    # <<< ch17
 
     def format_logprobs(self, entries: list[Logprob], offset: int) -> dict:
         """The legacy API's: the tokens as text, their logprobs, the top ones as {text: logprob}, offsets."""
@@ -130,10 +157,16 @@ class Chat(Shape):
             {"index": choice.index, "delta": {"content": text} if text else {},
              "logprobs": self.logprobs(choice.logprobs), "finish_reason": choice.finish_reason}]}
 
-    def full(self, choices: list[tuple[Choice, str, list[Logprob]]], tokens: int) -> dict:
+    # >>> ch17 replaces ch16: the choices' usage
+    #| def full(self, choices: list[tuple[Choice, str, list[Logprob]]], tokens: int) -> dict:
+    #|     return self.head(self.object) | {"choices": [
+    #|         {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(lps),
+    #|          "finish_reason": c.finish_reason} for c, text, lps in choices], "usage": self.usage(tokens)}
+    def full(self, choices: list[tuple[Choice, str, list[Logprob]]], usage: Choices) -> dict:
         return self.head(self.object) | {"choices": [
             {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(lps),
-             "finish_reason": c.finish_reason} for c, text, lps in choices], "usage": self.usage(tokens)}
+             "finish_reason": c.finish_reason} for c, text, lps in choices], "usage": self.usage(usage)}
+    # <<< ch17
 
     def format_logprobs(self, entries: list[Logprob], offset: int = 0) -> dict:
         """Chat's: each token with its logprob, its UTF-8 bytes and its top alternatives."""

@@ -60,6 +60,9 @@ class SpecRunner(ModelRunner):
     # >>> ch13: no graphs unless init_graphs captures them
     graphs: SpecGraphs | None = None
     # <<< ch13
+    # >>> ch17: the drafter's cached K and V at a page's last position were computed from the token after it
+    drafter = True
+    # <<< ch17
 
     def __init__(self, model: Qwen3ForCausalLM, mtp: MTPLayer, mtp_steps: int, *, max_seq_len: int, **sizes) -> None:
         """Draft mtp_steps tokens a step with the MTP layer. It gets its own KV pool, one layer at the same

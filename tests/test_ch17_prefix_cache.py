@@ -1,0 +1,223 @@
+"""Chapter 17: the prefix cache. Tokens equal the engine's without it (seed 002's grid: both loops, page
+sizes 1, 4 and 16, MTP off and on), on prompts that share prefixes of many lengths; the tree evicts in
+the middle of a run; aborts of every kind leave the engine as good as new; the hazard checker stays
+silent; and the account of every page holds after every run."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from minioverlap import LLM, SamplingParams
+from minioverlap.cache.allocator import PageAllocator
+from minioverlap.cache.radix import RadixCache
+from minioverlap.engine.forward_batch import ForwardMode
+
+SYSTEM = list(range(100, 150))                       # a 50-token "system prompt"
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def shared_prompts() -> list[list[int]]:
+    """Prompts sharing prefixes of many lengths: a whole prompt twice, one that is a prefix of another,
+    prefixes ending inside a page for every page size, and one that shares nothing."""
+    return [SYSTEM + [7, 8, 9], SYSTEM + [11, 12], SYSTEM[:33], SYSTEM + [7, 8, 9], SYSTEM[:17] + [3] * 14,
+            list(range(300, 340))]
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[tuple[int, int], list[list[int]]]:
+    """The engine without the cache, normal loop: each page size's and MTP setting's tokens, once."""
+    return {}
+
+
+def baseline(cache: dict, prompts: list[list[int]], page_size: int, mtp: int) -> list[list[int]]:
+    key = (tuple(map(tuple, prompts)), page_size, mtp)
+    if key not in cache:
+        llm = LLM(page_size=page_size, overlap=False, mtp_steps=mtp, prefix_cache=False)
+        cache[key] = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+    return cache[key]
+
+
+@pytest.mark.parametrize("page_size,mtp", list(itertools.product((1, 4, 16), (0, 3))))
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_tokens_equal_the_engine_without_the_cache(expected, overlap, page_size, mtp):
+    """Seed 002's grid: a first run (the prompts prefill together, each computes its own copy), a second
+    run (every prompt hits), then a prompt that extends a finished request's output: equal tokens, no
+    hazard, the account holds after each."""
+    llm = LLM(page_size=page_size, overlap=overlap, mtp_steps=mtp, hazard_check=True)
+    prompts = shared_prompts()
+    want = baseline(expected, prompts, page_size, mtp)
+    for run in range(2):
+        outs = llm.generate(prompts, PARAMS)
+        assert [o.token_ids for o in outs] == want, f"run {run + 1}"
+        llm.check_integrity()
+    whole = [max((len(p) - 1) // page_size - bool(mtp), 0) * page_size for p in prompts]   # every prompt was seen
+    assert [o.cached_tokens for o in outs] == whole
+    longer = [prompts[0] + outs[0].token_ids + [5, 6]]          # a second turn: the first one's history, and more
+    [turn] = llm.generate(longer, PARAMS)
+    assert turn.token_ids == baseline(expected, longer, page_size, mtp)[0]
+    history = len(prompts[0]) + len(outs[0].token_ids) - 1          # the finished request's tokens with K and V
+    assert turn.cached_tokens == (history // page_size - bool(mtp)) * page_size, "its output was cached too"
+    llm.check_integrity()
+
+
+def test_prompt_tokens_served_from_the_cache_are_whole_pages_and_never_the_last():
+    """A prompt seen before is served from the cache up to its last whole page before its last token:
+    the prefill always computes at least that token, whose logits give the first new token."""
+    for page_size, length in [(1, 10), (4, 12), (4, 13), (16, 40), (16, 48)]:
+        llm = LLM(page_size=page_size)
+        prompt = list(range(200, 200 + length))
+        first, second = (llm.generate([prompt], PARAMS)[0] for _ in range(2))
+        assert first.cached_tokens == 0
+        assert second.cached_tokens == (length - 1) // page_size * page_size, (page_size, length)
+        assert second.token_ids == first.token_ids
+
+
+def test_a_hit_shortens_the_prefill_and_the_trace_shows_it():
+    llm = LLM(page_size=4)
+    computed = []
+    batch = llm.runner.batch
+    llm.runner.batch = lambda mode, reqs: (computed.extend(len(r.prompt_ids) - r.seq_len for r in reqs)
+                                           if mode is ForwardMode.EXTEND else None) or batch(mode, reqs)
+    llm.generate([SYSTEM + [1, 2, 3]], PARAMS)
+    assert not any(e.kind == "hit" for e in llm.trace)
+    [out] = llm.generate([SYSTEM + [4, 5]], PARAMS)
+    assert computed == [53, 52 - 48] and out.cached_tokens == 48
+    assert [(e.kind, e.uids) for e in llm.trace[:2]] == [("hit", (1,)), ("schedule", (1,))]
+
+
+def test_with_the_cache_off_every_prompt_is_prefilled_from_scratch():
+    llm = LLM(prefix_cache=False)
+    outs = [llm.generate([SYSTEM], PARAMS)[0] for _ in range(2)]
+    assert llm.runner.tree is None and [o.cached_tokens for o in outs] == [0, 0]
+    assert llm.runner.allocator.num_free == llm.runner.usable_pages
+    with pytest.raises(ValueError, match="prefix_cache must be True or False, got 1"):
+        LLM(prefix_cache=1)
+
+
+def test_the_drafter_reads_exact_cached_kv():
+    """With MTP the drafter's K and V of a cached prefix come from the same slots; the match stops one page
+    short, so that at its last position they were computed from the token this prompt has there. A prompt
+    seen before then drafts exactly as it did: the same target passes."""
+    for page_size in (1, 4, 16):
+        llm = LLM(page_size=page_size, mtp_steps=3)
+        prompt = SYSTEM + [7, 8, 9]
+        first, second = (llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0] for _ in range(2))
+        assert second.cached_tokens == ((len(prompt) - 1) // page_size - 1) * page_size
+        assert second.token_ids == first.token_ids
+        assert second.verify_steps == first.verify_steps, page_size
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("mtp", [0, 3])
+def test_a_pool_too_small_to_keep_everything_evicts_mid_run(overlap, mtp):
+    """A pool that holds a few requests at a time: the tree gives pages back (LRU, unlocked leaves only)
+    while requests run on cached prefixes, and nothing changes in the tokens."""
+    prompts = [SYSTEM[:20 + 3 * i] + [i] * 6 for i in range(12)] * 2
+    want = LLM(page_size=4, overlap=False, mtp_steps=mtp, prefix_cache=False).generate(prompts, PARAMS)
+    llm = LLM(page_size=4, overlap=overlap, mtp_steps=mtp, num_pages=40, max_running=4, hazard_check=True)
+    evicted = []
+    evict = llm.runner.tree.evict
+    llm.runner.allocator.reclaim = lambda n: evicted.append(n) or evict(n)
+    outs = llm.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert evicted, "the pool never ran short: the test proves nothing"
+    assert any(o.cached_tokens for o in outs)
+    llm.check_integrity()
+    assert llm.runner.free_pages == llm.runner.usable_pages
+
+
+def abort_when(llm: LLM, prompts: list[list[int]], victim: int, when: str) -> list:
+    """Stream the prompts and abort request `victim` (its uid) at a point of its life: queued (before the
+    stream starts), with its prefill in flight (as soon as that step is launched: the overlap loop
+    receives the abort before it handles the step), or running (at its first reply)."""
+    launch, outs = llm.scheduler.launch, []
+
+    def launch_then_abort(batch):
+        out = launch(batch)
+        if batch.mode is ForwardMode.EXTEND and victim in [r.uid for r in batch.reqs]:
+            llm.abort(victim)
+        return out
+
+    if when == "in flight":
+        llm.scheduler.launch = launch_then_abort
+    stream = llm.stream(prompts, PARAMS)
+    if when == "queued":
+        llm.abort(victim)
+    for reply in stream:
+        if when == "running" and reply.uid == victim and not reply.finished:
+            llm.abort(victim)
+            when = "done"
+        outs.append(reply)
+    llm.scheduler.launch = launch
+    return outs
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("mtp", [0, 3])
+@pytest.mark.parametrize("when", ["queued", "in flight", "running"])
+def test_aborts_leave_the_engine_as_good_as_new(overlap, mtp, when):
+    """An abort queued, with its prefill (a hit) in flight, or running: it inserts nothing twice, holds no
+    lock, and afterwards the engine serves the same prompts as a fresh one does."""
+    llm = LLM(page_size=4, overlap=overlap, mtp_steps=mtp, max_running=2, hazard_check=True)
+    prompts = [SYSTEM + [1, 2], SYSTEM + [3, 4], SYSTEM[:30] + [5] * 8]
+    llm.generate(prompts[:1], PARAMS)                       # the system prompt is cached: the others hit
+    uid = llm.next_uid + (2 if when == "queued" else 1)     # queued: the third waits for a slot
+    replies = abort_when(llm, prompts, uid, when)
+    assert [r.finish_reason for r in replies if r.uid == uid][-1] == "abort"
+    llm.check_integrity()
+    assert all(n.lock == 0 for n in llm.runner.tree.nodes()), "a lock outlived its request"
+    fresh = LLM(page_size=4, overlap=overlap, mtp_steps=mtp, max_running=2, prefix_cache=False)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == [o.token_ids for o in fresh.generate(prompts, PARAMS)]
+    llm.check_integrity()
+
+
+def test_a_stream_left_early_frees_its_locks():
+    llm = LLM(page_size=4)
+    llm.generate([SYSTEM + [1]], PARAMS)
+    for reply in llm.stream([SYSTEM + [2], SYSTEM + [3]], PARAMS):
+        break
+    llm.check_integrity()
+    assert llm.runner.tree.evictable_pages == llm.runner.tree.cached_pages
+    assert llm.runner.free_pages == llm.runner.usable_pages
+
+
+# ---- the tree on its own
+def tree(num_pages: int = 32, page_size: int = 2) -> RadixCache:
+    return RadixCache(PageAllocator(num_pages, page_size))
+
+
+def test_match_and_insert_are_whole_pages():
+    cache = tree()
+    pages = cache.allocator.alloc(3)
+    held, path, node = cache.insert([1, 2, 3, 4, 5, 6], pages)
+    assert (held, path) == (0, pages)
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7])[0] == pages
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6])[0] == pages[:2], "the last token is never matched"
+    assert cache.match_prefix([1, 2, 3, 9, 9])[0] == pages[:1], "a page that differs anywhere is not matched"
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7], drafter=True)[0] == pages[:2]
+    other = cache.allocator.alloc(3)
+    held, path, _ = cache.insert([1, 2, 3, 4, 8, 8], other)
+    assert held == 2 and path == pages[:2] + other[2:], "the first two pages were held: the caller's copies are duplicates"
+    assert cache.cached_pages == cache.evictable_pages == 4
+    assert not cache.problems([])
+
+
+def test_eviction_takes_unlocked_leaves_least_recently_used_first_and_never_a_locked_one():
+    cache = tree()
+    a, b, c = (cache.allocator.alloc(2) for _ in range(3))
+    cache.insert([1, 1, 2, 2], a)
+    _, _, node_b = cache.insert([3, 3, 4, 4], b)
+    cache.insert([5, 5, 6, 6], c)
+    cache.match_prefix([1, 1, 2, 2, 0])                       # a is used again: c is now the oldest
+    cache.lock(node_b)
+    free = cache.allocator.num_free
+    cache.evict(2)
+    assert cache.allocator.num_free == free + 2 and cache.match_prefix([5, 5, 6, 6, 0])[0] == []
+    cache.evict(100)
+    assert cache.match_prefix([3, 3, 4, 4, 0])[0] == b, "a locked path is never evicted"
+    assert cache.cached_pages == 2 and cache.evictable_pages == 0
+    assert not cache.problems([node_b])
+    cache.unlock(node_b)
+    assert cache.problems([node_b]), "the check sees a lock count that disagrees with the running requests"
