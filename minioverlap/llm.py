@@ -51,8 +51,9 @@ class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
 
     def __init__(self, model: str = "tiny", **options) -> None:
-        """Load the checkpoint and build the engine. `options` are the fields of EngineArgs
-        (minioverlap/config.py), each with its default there and the chapter that adds it."""
+        """Load the checkpoint and build the engine: the runner (the model, the page pool, the tables), from
+        chapter 13 its graphs, from chapter 17 its prefix cache, and the scheduler. `options` are the fields
+        of EngineArgs (minioverlap/config.py), each with its default there and the chapter that adds it."""
         self.args = _engine_args(model, options)
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(self.args.device)
@@ -82,6 +83,10 @@ class LLM:
         if use_cuda_graphs(self.args):
             self.runner.init_graphs(self.max_running)
         # <<< ch13
+        # >>> ch17: the prefix cache (on unless prefix_cache=False)
+        if self.args.prefix_cache:
+            self.runner.init_prefix_cache()
+        # <<< ch17
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04
@@ -98,9 +103,6 @@ class LLM:
                      # >>> ch15: the attention context of the path chosen at load
                      attention=self.backend.attention,
                      # <<< ch15
-                     # >>> ch17: the prefix cache
-                     prefix_cache=self.args.prefix_cache,
-                     # <<< ch17
                      )
         # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
         if self.args.mtp_steps:

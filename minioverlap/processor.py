@@ -119,7 +119,8 @@ class Processor:
         return [self.make_request(p, s) for p, s in zip(prompts, params)]
 
     def output(self, req: Req) -> RequestOutput:
-        """What the caller gets for a request."""
+        """What the caller gets for a request: its tokens and their text, and what later chapters add (the
+        verify steps of MTP, logprobs, the prompt tokens served from the prefix cache)."""
         out = RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason)
         # >>> ch09: with MTP, the verify steps too
         out.verify_steps = req.verify_steps

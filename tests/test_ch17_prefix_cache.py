@@ -12,6 +12,8 @@ import pytest
 from minioverlap import LLM, SamplingParams
 from minioverlap.cache.allocator import PageAllocator
 from minioverlap.cache.radix import RadixCache
+from minioverlap.config import Guards
+from minioverlap.device.hazard import HazardError
 from minioverlap.engine.forward_batch import ForwardMode
 
 SYSTEM = list(range(100, 150))                       # a 50-token "system prompt"
@@ -171,6 +173,21 @@ def test_aborts_leave_the_engine_as_good_as_new(overlap, mtp, when):
     fresh = LLM(page_size=4, overlap=overlap, mtp_steps=mtp, max_running=2, prefix_cache=False)
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == [o.token_ids for o in fresh.generate(prompts, PARAMS)]
     llm.check_integrity()
+
+
+def test_the_fence_orders_the_rewrite_of_a_running_row():
+    """Two requests with one prompt prefill together; when the first one's prompt is cached, the second's
+    own copies are duplicates: its row is rewritten to the tree's pages while the next step, already
+    launched in the overlap loop, reads that row. The fence orders the write after the read; without it
+    (and with slot release deferred, so that this is the only write left unguarded) the checker names it."""
+    prompts = [SYSTEM + [1], SYSTEM + [1]]
+    llm = LLM(page_size=4, hazard_check=True)
+    llm.generate(prompts, PARAMS)
+    llm.check_integrity()
+    unfenced = LLM(page_size=4, hazard_check=True, guards=Guards(fence=False, defer_release=True))
+    with pytest.raises(HazardError, match=r"req_to_token row \d+, positions 0\.\.47: write on the schedule stream "
+                                          r"\(step 2: the scheduler writes the KV slots of row"):
+        unfenced.generate(prompts, PARAMS)
 
 
 def test_a_stream_left_early_frees_its_locks():

@@ -16,10 +16,6 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    # >>> ch17: the prefix cache gives pages back when the free list runs short
-    reclaim: Callable[[int], None] | None = None    # frees at least n more pages (RadixCache.evict)
-    # <<< ch17
-
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is reserved) and page_size >= 1, got {num_pages}, {page_size}")
@@ -27,12 +23,16 @@ class PageAllocator:
         self.page_size = page_size
         self.free_pages = list(range(num_pages - 1, 0, -1))   # a stack: the lowest page is handed out first
         self.is_free = [False] + [True] * (num_pages - 1)
+        # >>> ch17: the prefix cache gives pages back when the free list runs short
+        self.reclaim: Callable[[int], None] | None = None    # frees at least n more pages (RadixCache.evict)
+        # <<< ch17
 
     @property
     def num_free(self) -> int:
         return len(self.free_pages)
 
     def alloc(self, n: int) -> list[int]:
+        """n pages off the free list."""
         # >>> ch17: the prefix cache gives pages back when the free list runs short
         if n > len(self.free_pages) and self.reclaim is not None:
             self.reclaim(n - len(self.free_pages))

@@ -37,7 +37,9 @@ class Node:
 
 class RadixCache:
     def __init__(self, allocator: PageAllocator) -> None:
+        """An empty tree over the allocator's pages; the allocator comes to it (evict) when it runs short."""
         self.allocator, self.page_size = allocator, allocator.page_size
+        allocator.reclaim = self.evict
         self.root = Node()
         self.root.lock = 1               # the root holds no page and is never evicted
         self.clock = itertools.count(1)

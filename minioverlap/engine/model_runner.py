@@ -55,7 +55,7 @@ class ModelRunner:
     # >>> ch16: the logprobs of the step being launched (None: no request asked), until run hands them to it
     logprobs: StepLogprobs | None = None
     # <<< ch16
-    # >>> ch17: the prefix cache, if on; a drafter's cached K and V need one token more (RadixCache.match_prefix)
+    # >>> ch17: the prefix cache, if init_prefix_cache made it; a drafter's cached K and V need one token more
     tree: RadixCache | None = None
     drafter = False
     # <<< ch17
@@ -68,9 +68,6 @@ class ModelRunner:
                  # >>> ch15: the attention context's class, chosen once at load (the fast path's, or PagedAttention)
                  attention: type[PagedAttention] = PagedAttention,
                  # <<< ch15
-                 # >>> ch17: the prefix cache
-                 prefix_cache: bool = False,
-                 # <<< ch17
                  ) -> None:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), sized here (num_pages=None: enough pages for every
@@ -83,11 +80,6 @@ class ModelRunner:
         check_memory(num_pages, page_size, self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize,
                      max_running, max_seq_len, str(weight.device))
         self.allocator = PageAllocator(num_pages, page_size)
-        # >>> ch17: the prefix cache holds pages too, and gives them back when the allocator runs short
-        if prefix_cache:
-            self.tree = RadixCache(self.allocator)
-            self.allocator.reclaim = self.tree.evict
-        # <<< ch17
         self.kv_pool = KVPool(c.num_hidden_layers, num_pages * page_size, c.num_key_value_heads, c.head_dim,
                               weight.dtype, weight.device)
         # >>> ch15: the fast path
@@ -333,6 +325,11 @@ class ModelRunner:
         req.pages, req.row = [], 0
     # >>> ch17: the prefix cache
 
+    def init_prefix_cache(self) -> None:
+        """Keep what requests computed in a radix tree over the pool, whose pages it holds too; the
+        allocator comes to it when the free list runs short."""
+        self.tree = RadixCache(self.allocator)
+
     def match_prefix(self, req: Req) -> None:
         """Before admission: the longest cached prefix of its prompt becomes its first pages, locked for it;
         its prefill starts after them. `release` undoes it if it is not admitted after all."""
@@ -355,13 +352,14 @@ class ModelRunner:
         n = len(tokens) // size
         held, pages, node = self.tree.insert(tokens[:n * size], req.pages[:n])
         start = req.cached_len // size
-        self.allocator.free(req.pages[start:held])          # its own copies of pages the tree held already
-        if held > start:
-            self.tables.write(req.row, start * size, self.allocator.kv_slots(pages, start * size, held * size))
+        duplicates = req.pages[start:held]                  # its own copies of pages the tree held already
         req.pages[:n] = pages
         self.tree.lock(node)
         self.tree.unlock(req.last_node)
         req.cached_len, req.last_node = n * size, node
+        self.allocator.free(duplicates)
+        if duplicates:
+            self.tables.write(req.row, start * size, self.allocator.kv_slots(pages, start * size, held * size))
     # <<< ch17
     # >>> ch03: the host writes a token it has read back (before chapter 05 keeps it on the device)
 
@@ -377,6 +375,7 @@ class ModelRunner:
 
     @property
     def free_pages(self) -> int:
+        """Pages a request may still be given."""
         # >>> ch17 replaces ch04: pages the tree holds for no running request are free to take (it evicts them)
         #| return self.allocator.num_free
         return self.allocator.num_free + (self.tree.evictable_pages if self.tree else 0)

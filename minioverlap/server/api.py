@@ -185,11 +185,12 @@ async def stream(engine: EngineClient, queue: asyncio.Queue, choices: Choices, s
                 break
             if (choice := choices.of(msg)) is not None:
                 yield event(shape.chunk(choice, choice.take(msg)))
+        # >>> ch17 replaces ch16: the choices' usage, with the prompt tokens served from the prefix cache
+        #| if include_usage and choices.finished:
+        #|     yield event(shape.usage_chunk(choices.tokens))
         if include_usage and choices.finished:
-            # >>> ch17 replaces ch16: the choices' usage, with the prompt tokens served from the prefix cache
-            #| yield event(shape.usage_chunk(choices.tokens))
             yield event(shape.usage_chunk(choices))
-            # <<< ch17
+        # <<< ch17
         yield "[DONE]"
     finally:
         for rid in choices.running():

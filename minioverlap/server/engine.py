@@ -55,15 +55,21 @@ class EngineLoop:
             if self.scheduler.busy:
                 replies = self.scheduler.run(self.llm.args.overlap, self.receive, self.first_tokens_first)
                 for reply in replies:
-                    # >>> ch17 replaces ch16: with the prompt tokens its request found in the prefix cache
-                    #| self.outbox.send(tokens(reply))
-                    self.outbox.send(tokens(reply, self.reqs[reply.uid].cached_tokens))
-                    # <<< ch17
-                    if reply.finished:
-                        # >>> ch17: each running request, for its cached_tokens
-                        del self.reqs[reply.uid]
-                        # <<< ch17
-                        self.finishes[reply.finish_reason] = self.finishes.get(reply.finish_reason, 0) + 1
+                    self.send(reply)
+
+    def send(self, reply: Reply) -> None:
+        """A reply to the HTTP side (from chapter 17 with the prompt tokens its request found in the prefix
+        cache: the request is kept in self.reqs until it finishes); a finished request is counted by its
+        finish_reason."""
+        # >>> ch17 replaces ch16: with the prompt tokens its request found in the prefix cache
+        #| self.outbox.send(tokens(reply))
+        self.outbox.send(tokens(reply, self.reqs[reply.uid].cached_tokens))
+        # <<< ch17
+        if reply.finished:
+            self.finishes[reply.finish_reason] = self.finishes.get(reply.finish_reason, 0) + 1
+            # >>> ch17: each running request, for its cached_tokens
+            del self.reqs[reply.uid]
+            # <<< ch17
 
     def receive(self) -> bool:
         """The receive step: every message that arrived since the last one, without waiting. False: stop."""
