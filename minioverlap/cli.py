@@ -179,7 +179,10 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     if args.first_tokens_first and args.loop == "normal":
         raise ValueError("--first-tokens-first changes the overlap loop; the normal loop handles every step before "
                          "the next launch already: drop one of --first-tokens-first and --loop normal")
-    for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype"):
+    # >>> ch17 replaces ch16: and the prefix cache
+    #| for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype"):
+    for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype", "prefix_cache"):
+    # <<< ch17
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
@@ -253,6 +256,10 @@ def parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--kernels", action=argparse.BooleanOptionalAction,
                            help="the fast path: fused kernels and Triton attention (default: on for CUDA, chapter 15)")
     # <<< ch16
+    # >>> ch17: the prefix cache
+    serve_cmd.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction,
+                           help="keep computed prefixes in a radix tree and reuse them (default: on; chapter 17)")
+    # <<< ch17
     # >>> ch09: MTP drafts
     for cmd in sub.choices.values():
         cmd.add_argument("--mtp", type=int, default=0, metavar="K",

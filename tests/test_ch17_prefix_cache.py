@@ -238,3 +238,34 @@ def test_eviction_takes_unlocked_leaves_least_recently_used_first_and_never_a_lo
     assert not cache.problems([node_b])
     cache.unlock(node_b)
     assert cache.problems([node_b]), "the check sees a lock count that disagrees with the running requests"
+
+
+# ---- the server
+@pytest.mark.process
+def test_the_server_reports_cached_tokens_in_openais_usage_field():
+    """The second chat with the same system prompt is served partly from the cache: OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how much, streamed or not, and the text is the same;
+    with --no-prefix-cache it is 0."""
+    import openai
+    from tests.serving import Server
+
+    messages = [{"role": "system", "content": "You are a careful Python tutor. Answer with code only."},
+                {"role": "user", "content": "Write fibonacci."}]
+    for flag, cached in (("--prefix-cache", True), ("--no-prefix-cache", False)):
+        server = Server(flag)
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+            first, second = (client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+                             for _ in range(2))
+            chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                         stream=True, stream_options={"include_usage": True}))
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            hit = (first.usage.prompt_tokens - 1) // 16 * 16 if cached else 0
+            assert second.usage.prompt_tokens_details.cached_tokens == hit
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == hit
+            assert second.choices[0].message.content == first.choices[0].message.content
+            report = server.integrity()
+            assert report["problems"] is None
+        finally:
+            code, out = server.stop()
+        assert code == 0, out
