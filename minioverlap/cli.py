@@ -180,9 +180,10 @@ def serve(args: argparse.Namespace, console: Console) -> None:
         raise ValueError("--first-tokens-first changes the overlap loop; the normal loop handles every step before "
                          "the next launch already: drop one of --first-tokens-first and --loop normal")
     # >>> ch17 replaces ch16: and the prefix cache
-    #| for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype"):
-    for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype", "prefix_cache"):
+    #| given = ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype")
+    given = ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype", "prefix_cache")
     # <<< ch17
+    for name in given:                  # the engine options given on the command line
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
