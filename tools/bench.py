@@ -184,8 +184,11 @@ def minioverlap_system(path: Path, name: str, prompts: list[list[int]], tokens: 
     from minioverlap import LLM, SamplingParams
     loop, mode, *spec = name.split("-")
     k = mtp if spec else 0
+    # prefix_cache=False: every timed run repeats the same prompts, and transformers, the baseline, computes
+    # each prompt again; with the cache on, only the first run would prefill them.
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", overlap=loop == "overlap", cuda_graphs=mode != "eager",
-              kernels=mode == "kernels", max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16, mtp_steps=k)
+              kernels=mode == "kernels", max_running=len(prompts), max_seq_len=len(prompts[0]) + tokens + 16, mtp_steps=k,
+              prefix_cache=False)
     outs = []
 
     def run(n: int = tokens) -> None:
@@ -214,8 +217,10 @@ def decode_host_ms(trace) -> float | None:
 def one_engine(shape: str, path: Path, prompt: int, tokens: int, **options):
     """A minioverlap engine at batch 1 with graphs on, its prompt and its sampling parameters."""
     from minioverlap import LLM, SamplingParams
+    # prefix_cache=False: the same prompt runs again and again (warm-up, profile, timed runs); each must
+    # prefill it, as transformers does
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_running=1,
-              max_seq_len=prompt + tokens + 16, **{"kernels": False, **options})
+              max_seq_len=prompt + tokens + 16, prefix_cache=False, **{"kernels": False, **options})
     return llm, make_prompts(shape, path, 1, prompt), SamplingParams(max_tokens=tokens, ignore_eos=True)
 
 

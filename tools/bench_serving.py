@@ -1,6 +1,7 @@
 """Chapter 16's serving benchmark: `minioverlap serve` under a stream of requests, as SGLang's bench_serving.
 
     python tools/bench_serving.py                                      # normal and overlap, 64 requests at once
+    python tools/bench_serving.py --dataset generated-shared-prefix --configs normal,normal+cache --request-rate 4
     python tools/bench_serving.py --configs normal,overlap,normal+mtp2,overlap+mtp2 --request-rate 8
     python tools/bench_serving.py --configs normal,overlap --num-requests 24 --request-rate 8 --json /tmp/bs.json
     python tools/bench_serving.py --compare-ttft --configs normal,overlap,overlap+ftf --num-requests 10
@@ -9,32 +10,55 @@
     python tools/bench_serving.py --report /tmp/bs.json                # no run: the table of a recorded one
 
 Each configuration of --configs is a server of its own: `normal`, `overlap`, `normal+mtp2`, `overlap+ftf`,
-`overlap+mtp2+ftf` mean `minioverlap serve --loop L [--mtp K] [--first-tokens-first]` (with --model,
---device and --max-running), in that order of suffixes; `+ftf`, the overlap loop handling a prefill
-before it launches the next step so that the first token goes out sooner, is the overlap loop's alone (the
-normal loop handles every step before the next). A server is started on a free port of 127.0.0.1, waited
-for (GET /health), sent the workload, then checked (GET /integrity once it is idle: every page and slot
-free again), stopped with SIGTERM and required to exit with 0, leaving no process of its session behind.
-One configuration runs at a time, except with --compare-ttft. With --url the one server there is
-measured, and neither started nor stopped.
+`overlap+mtp2+ftf`, `overlap+cache`, `overlap+mtp2+ftf+cache` mean `minioverlap serve --loop L [--mtp K]
+[--first-tokens-first] --prefix-cache|--no-prefix-cache` (with --model, --device and --max-running), in
+that order of suffixes; `+ftf`, the overlap loop handling a prefill before it launches the next step so
+that the first token goes out sooner, is the overlap loop's alone (the normal loop handles every step
+before the next). Chapter 17's prefix cache is on only where the configuration asks for it with `+cache`:
+every other server is started with --no-prefix-cache (though the cache is serve's default), so that a
+configuration means what it meant before chapter 17 and the runs recorded then (chapter 16's, set beside
+transformers, which computes every prompt) stay comparable. A server is started on a free port of
+127.0.0.1, waited for (GET /health), sent the workload, then checked (GET /integrity once it is idle:
+every page and slot free again), stopped with SIGTERM and required to exit with 0, leaving no process of
+its session behind. One configuration runs at a time, except with --compare-ttft. With --url the one
+server there is measured, with its own setting of the cache, and neither started nor stopped.
 
 The model is --model (default tiny, the shipped one), or with --shape 0.6b|8b a random-weight bf16 Qwen3
 checkpoint of that real shape: tools/bench.py's make_checkpoint, made once under --cache-dir and reused
 (bench.py builds it on a CUDA GPU, or on the CPU where there is none).
 
-The workload is drawn once from random.Random(--seed), the same for every configuration: --num-requests
-prompts, each asking for an output length drawn from --output-len with ignore_eos, greedy (temperature 0).
-For a model with a tokenizer.json a prompt is a passage of the book's own prose (chapters/*.md, HTML
-comments removed) that starts at a random word and is --input-len words long (a length drawn from the
-range); for one without (the random checkpoints of --shape) it is a list of --input-len token ids, each
-drawn from [10, vocab_size) of its config.json, which the server takes as `prompt` as it is. They arrive
-as a Poisson process of --request-rate requests/s (exponential gaps), or all at once (`inf`). With
---compare-ttft they are sent one at a time, each when the one before has finished, so every time to first
-token is a lone request's; the servers of every configuration run together and take turns, request by
-request in a rotating order, so that a slow spell of a shared machine falls on all of them (a server's
-duration is then the sum of its requests' latencies, the time it was serving). Every request is a
-streamed POST /v1/completions (one httpx.AsyncClient), with stream_options.include_usage so that its last
-chunk counts its tokens. --warmup requests go first to each server, untimed.
+The workload is drawn once from random.Random(--seed), the same for every configuration; each request asks
+for its output length with ignore_eos, greedy (temperature 0). --dataset (or SGLang's spelling,
+--dataset-name) chooses it, by the names of SGLang's datasets:
+
+  random (the default): --num-requests prompts, each of a length drawn from --input-len, asking for an
+    output length drawn from --output-len. For a model with a tokenizer.json a prompt is a passage of the
+    book's own prose (chapters/*.md, HTML comments removed) that starts at a random word and is that many
+    words long; for one without (the random checkpoints of --shape) it is a list of that many token ids,
+    each drawn from [10, vocab_size) of its config.json, which the server takes as `prompt` as it is.
+    (SGLang's random cuts its prompts from ShareGPT's conversations instead, and counts tokens.)
+  generated-shared-prefix: SGLang's (bench_serving --dataset-name generated-shared-prefix, with its
+    options): --gsp-num-groups groups of --gsp-prompts-per-group requests. Each group has a system prompt
+    of --gsp-system-prompt-len, made once (a passage of the book, or token ids, as above); each request
+    is that system prompt, a blank line (two newlines, as SGLang joins them; token ids simply follow) and
+    a question of its own of --gsp-question-len, and asks for --gsp-output-len tokens. The lengths are in
+    words (SGLang's are in tokens), or tokens for a model without a tokenizer; with --gsp-range-ratio R
+    below 1 each is drawn from [max(int(N*R), 1), N] (a system prompt's once for its group), as SGLang
+    draws them; the default 1 takes N. The requests are then shuffled, so that the groups interleave, as
+    SGLang does unless --gsp-ordered, which keeps them group after group. A group's prompts share their
+    first tokens, not only their text: byte-level BPE cuts words apart at whitespace before it merges, so
+    the system prompt's tokens (and the blank line's) do not depend on the question after it. Its warm-up
+    request (--warmup) is not the first request, as the random dataset's is, but one of the same lengths
+    whose system prompt is no group's (random.Random("warmup SEED")): every group's prefix is cold when
+    the timed requests start, and the first of each group to arrive computes it.
+
+The requests arrive as a Poisson process of --request-rate requests/s (exponential gaps), or all at once
+(`inf`). With --compare-ttft they are sent one at a time, each when the one before has finished, so every
+time to first token is a lone request's; the servers of every configuration run together and take turns,
+request by request in a rotating order, so that a slow spell of a shared machine falls on all of them (a
+server's duration is then the sum of its requests' latencies, the time it was serving). Every request is
+a streamed POST /v1/completions (one httpx.AsyncClient), with stream_options.include_usage so that its
+last chunk counts its tokens. --warmup requests go first to each server, untimed.
 
 Per request, from the client's clock, on chunks, not on text: the server sends a chunk per engine step
 with that step's tokens (several with MTP), but its text may be empty, while a character is not complete
@@ -43,23 +67,29 @@ chunk that carries a choice (a completion has no role chunk; the usage chunk has
 between such chunks (a time per chunk: per step); end-to-end latency, from sending to the end of the
 stream; TPOT, (latency - TTFT) / (output tokens - 1), a time per token whatever a chunk carries. SGLang's
 bench_serving counts from the first chunk with non-empty text; on this server every such chunk (but an
-aborted request's last) carries at least one token, so the two agree except where text is held back. Per
-configuration: the duration (the first send to the last request's end), requests/s and output tokens/s
-over it, TTFT, TPOT, ITL and latency as mean, median and p99 (ITL over every gap of every request), output
-tokens per chunk (above 1 with MTP); and each configuration's median TTFT and output tokens/s against the
-first configuration's (with --compare-ttft also the median of the per-request ratios: request i ran on
-both servers back to back, so a slow spell cancels out). Every figure is a time measured in the run, or a
-ratio of two such. Below the table, the host's load average before and after each run: on a shared
-machine it says how far to trust the run (another program's work lengthens every time).
+aborted request's last) carries at least one token, so the two agree except where text is held back. From
+the usage chunk, its prompt tokens and usage.prompt_tokens_details.cached_tokens, OpenAI's count of the
+prompt tokens the server found in its prefix cache (chapter 17: whole pages, never the prompt's last
+token). Per configuration: the duration (the first send to the last request's end), requests/s and
+output tokens/s over it, TTFT, TPOT, ITL and latency as mean, median and p99 (ITL over every gap of every
+request), output tokens per chunk (above 1 with MTP), the hit rate (the sum of cached_tokens over the sum
+of prompt_tokens, over the timed requests that completed; none where the server does not report
+cached_tokens); each configuration's median TTFT and output tokens/s against the first configuration's
+(with --compare-ttft also the median of the per-request ratios: request i ran on both servers back to
+back, so a slow spell cancels out), and each `+cache` configuration's against the same one without the
+cache where that ran too. Every figure is a time or a token count of the run, or a ratio of two such.
+Below the table, the host's load average before and after each run: on a shared machine it says how far
+to trust the run (another program's work lengthens every time).
 
 --json FILE records the run in a form a chapter can quote: at the top "device", "model", "mode" ("rate
 R", "all at once" or "one at a time") and "results", one flat dict per configuration, in --configs'
 order: "config" (its name, as "overlap+ftf") and numbers, "req_s", "out_tok_s", "ttft_ms_mean",
 "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99", "itl_ms_median", "itl_ms_p99",
-"e2e_ms_median", "tok_per_chunk", "completed", "requests" and a few more (durations, token counts); beside
-them "workload" (the arguments and every request drawn) and "runs", per configuration its server (command,
-exit code, integrity report, load) and every request's raw numbers ("per_request"). --report FILE prints
-the table from such a file again.
+"e2e_ms_median", "tok_per_chunk", "hit_rate", "completed", "requests" and a few more (durations, token
+counts, "cached_tokens"); beside them "workload" (the dataset, its arguments, every request drawn, a
+shared-prefix one with its group, and that dataset's warm-up request) and "runs", per configuration its
+server (command, exit code, integrity report, load) and every request's raw numbers ("per_request").
+--report FILE prints the table from such a file again (a record made before chapter 17 has no hit rate).
 """
 
 from __future__ import annotations
@@ -83,9 +113,16 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = re.compile(r"^(?P<loop>normal|overlap)(?:\+mtp(?P<mtp>[1-9]\d*))?(?P<ftf>\+ftf)?$")
+CONFIG = re.compile(r"^(?P<loop>normal|overlap)(?:\+mtp(?P<mtp>[1-9]\d*))?(?P<ftf>\+ftf)?(?P<cache>\+cache)?$")
+RANDOM, GSP = "random", "generated-shared-prefix"          # the datasets, by SGLang's names
 SHIPPED = ROOT / "minioverlap" / "checkpoints"           # the shipped models by name, as the loader finds them
 DEFAULT_CACHE = "~/.cache/minioverlap-bench"         # --shape's checkpoints, kept for later runs
+DEFAULTS = {                                         # each dataset's options: None when not given, checked, then these
+    "num_requests": 64, "input_len": (8, 64), "output_len": (16, 64),
+    # SGLang's defaults are 64 x 16 prompts, 2048 + 128 tokens in, 256 out: more than the tiny model's context
+    "gsp_num_groups": 8, "gsp_prompts_per_group": 8, "gsp_system_prompt_len": 160, "gsp_question_len": 16,
+    "gsp_output_len": 32, "gsp_range_ratio": 1.0, "gsp_ordered": False,
+}
 
 
 # ---- the workload
@@ -96,28 +133,94 @@ def book_words(root: Path = ROOT) -> list[str]:
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int | None = None) -> list[dict]:
-    """--num-requests requests: a prompt of --input-len words (or, given the vocab_size of a model without
-    a tokenizer, --input-len token ids in [10, vocab_size)), an output length, an arrival time (s)."""
+    """--dataset's requests, each a prompt, its length (words, or tokens for a model without a tokenizer),
+    an output length and an arrival time (s); the shared-prefix dataset's also name their group."""
+    if args.dataset == GSP:
+        return shared_prefix_workload(args, vocab_size)
     rng = random.Random(args.seed)
     (in_lo, in_hi), (out_lo, out_hi) = args.input_len, args.output_len
-    words = book_words() if vocab_size is None else []
-    if vocab_size is None and len(words) <= in_hi:
-        raise SystemExit(f"the chapters hold {len(words)} words: fewer than --input-len's {in_hi}")
-    if vocab_size is not None and vocab_size <= 10:
-        raise SystemExit(f"the model's vocab_size is {vocab_size}: no token ids in [10, vocab_size) to draw")
+    words = prompt_source(vocab_size, in_hi, "--input-len")
     work, arrival = [], 0.0
     for i in range(args.num_requests):
         n = rng.randint(in_lo, in_hi)
-        if vocab_size is None:
-            start = rng.randrange(len(words) - n)
-            prompt: str | list[int] = " ".join(words[start:start + n])
-        else:
-            prompt = [rng.randrange(10, vocab_size) for _ in range(n)]
+        prompt = draw_prompt(rng, n, words, vocab_size)
         if i and not args.compare_ttft and math.isfinite(args.request_rate):
             arrival += rng.expovariate(args.request_rate)
         work.append({"prompt": prompt, "input_len": n, "output_len": rng.randint(out_lo, out_hi),
                      "arrival_s": round(arrival, 6)})
     return work
+
+
+def prompt_source(vocab_size: int | None, longest: int, option: str) -> list[str]:
+    """The book's words for a model with a tokenizer (vocab_size None), checked to hold a passage of the
+    longest length; for one without, no words, once its vocabulary is checked to hold ids to draw."""
+    if vocab_size is not None:
+        if vocab_size <= 10:
+            raise SystemExit(f"the model's vocab_size is {vocab_size}: no token ids in [10, vocab_size) to draw")
+        return []
+    words = book_words()
+    if len(words) <= longest:
+        raise SystemExit(f"the chapters hold {len(words)} words: fewer than {option}'s {longest}")
+    return words
+
+
+def draw_prompt(rng: random.Random, n: int, words: list[str], vocab_size: int | None) -> str | list[int]:
+    """n words of the book from a random word on; without a tokenizer, n token ids in [10, vocab_size)."""
+    if vocab_size is None:
+        start = rng.randrange(len(words) - n)
+        return " ".join(words[start:start + n])
+    return [rng.randrange(10, vocab_size) for _ in range(n)]
+
+
+def ranged(rng: random.Random, full: int, ratio: float) -> int:
+    """A length in [max(int(full * ratio), 1), full], as SGLang's compute_random_lens draws it."""
+    return rng.randint(max(int(full * ratio), 1), full)
+
+
+def join(system: str | list[int], question: str | list[int]) -> str | list[int]:
+    """A group's system prompt and a question, as SGLang's generated-shared-prefix joins them (a blank line
+    between); token ids follow one another."""
+    return f"{system}\n\n{question}" if isinstance(system, str) else system + question
+
+
+def shared_prefix_workload(args: argparse.Namespace, vocab_size: int | None = None) -> list[dict]:
+    """SGLang's generated-shared-prefix: --gsp-num-groups system prompts, each made once, and for each
+    --gsp-prompts-per-group requests, the system prompt then a question of its own; shuffled, so that the
+    groups interleave, unless --gsp-ordered; then the arrival times."""
+    rng, ratio = random.Random(args.seed), args.gsp_range_ratio
+    words = prompt_source(vocab_size, max(args.gsp_system_prompt_len, args.gsp_question_len), "--gsp-*-len")
+    lens = [ranged(rng, args.gsp_system_prompt_len, ratio) for _ in range(args.gsp_num_groups)]
+    systems = [(n, draw_prompt(rng, n, words, vocab_size)) for n in lens]        # each made once, as text
+    work = []
+    for group, (system_len, system) in enumerate(systems):
+        for _ in range(args.gsp_prompts_per_group):
+            n = ranged(rng, args.gsp_question_len, ratio)
+            question = draw_prompt(rng, n, words, vocab_size)
+            work.append({"prompt": join(system, question), "group": group, "system_len": system_len,
+                         "question_len": n, "input_len": system_len + n,
+                         "output_len": ranged(rng, args.gsp_output_len, ratio)})
+    if not args.gsp_ordered:
+        rng.shuffle(work)
+    arrival = 0.0
+    for i, req in enumerate(work):
+        if i and not args.compare_ttft and math.isfinite(args.request_rate):
+            arrival += rng.expovariate(args.request_rate)
+        req["arrival_s"] = round(arrival, 6)
+    return work
+
+
+def warmup_request(args: argparse.Namespace, work: list[dict], vocab_size: int | None = None) -> dict:
+    """The request --warmup sends: the first of the workload; for the shared-prefix dataset one of the same
+    lengths whose system prompt is no group's (drawn from a generator of its own), so that every group's
+    prefix is cold when the timed requests begin."""
+    if args.dataset != GSP:
+        return work[0]
+    first, rng = work[0], random.Random(f"warmup {args.seed}")
+    words = prompt_source(vocab_size, max(first["system_len"], first["question_len"]), "--gsp-*-len")
+    prompt = join(draw_prompt(rng, first["system_len"], words, vocab_size),
+                  draw_prompt(rng, first["question_len"], words, vocab_size))
+    return {"prompt": prompt, "group": None, "system_len": first["system_len"], "question_len": first["question_len"],
+            "input_len": first["input_len"], "output_len": first["output_len"], "arrival_s": 0.0}
 
 
 def checkpoint_dir(model: str) -> Path | None:
@@ -152,21 +255,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_command(config: dict, port: int, model: str, device: str, max_running: int | None = None,
+                   max_seq_len: int | None = None) -> list[str]:
+    """`minioverlap serve` for a configuration: its loop, MTP drafts, --first-tokens-first, and the prefix
+    cache only if the configuration asks for it (+cache): --no-prefix-cache otherwise."""
+    return [sys.executable, "-m", "minioverlap", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--model", model, "--device", device, "--loop", config["loop"],
+            *(["--mtp", str(config["mtp"])] if config["mtp"] else []),
+            *(["--first-tokens-first"] if config["ftf"] else []),
+            "--prefix-cache" if config["cache"] else "--no-prefix-cache",
+            *(["--max-running", str(max_running)] if max_running else []),
+            *(["--max-seq-len", str(max_seq_len)] if max_seq_len else [])]
+
+
 class ServerProcess:
-    """`minioverlap serve --loop L [--mtp K] [--first-tokens-first]` on a free port of 127.0.0.1, its output
-    in a temporary file (a pipe nobody reads could fill and block it), in a session of its own so that a
-    hung one can be killed with everything it started."""
+    """`minioverlap serve --loop L [--mtp K] [--first-tokens-first] --[no-]prefix-cache` on a free port of
+    127.0.0.1, its output in a temporary file (a pipe nobody reads could fill and block it), in a session of
+    its own so that a hung one can be killed with everything it started."""
 
     def __init__(self, config: dict, model: str, device: str, max_running: int | None = None,
                  max_seq_len: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "minioverlap", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--model", model, "--device", device, "--loop", config["loop"],
-                    *(["--mtp", str(config["mtp"])] if config["mtp"] else []),
-                    *(["--first-tokens-first"] if config["ftf"] else []),
-                    *(["--max-running", str(max_running)] if max_running else []),
-                    *(["--max-seq-len", str(max_seq_len)] if max_seq_len else [])]
+        self.cmd = server_command(config, self.port, model, device, max_running, max_seq_len)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
@@ -237,7 +348,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, req: dict
     body = {"model": model, "prompt": req["prompt"], "max_tokens": req["output_len"], "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     out = {"start_s": None, "ttft_s": None, "itl_s": [], "latency_s": None, "prompt_tokens": None,
-           "output_tokens": None, "chunks": 0, "empty_chunks": 0, "finish_reason": None, "error": None}
+           "cached_tokens": None, "output_tokens": None, "chunks": 0, "empty_chunks": 0, "finish_reason": None,
+           "error": None}
     sent = time.perf_counter()
     out["start_s"] = sent - t0
     last = None
@@ -256,9 +368,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, req: dict
                 if "error" in chunk:
                     out["error"] = chunk["error"].get("message", str(chunk["error"]))
                     break
-                if chunk.get("usage"):
-                    out["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
-                    out["output_tokens"] = chunk["usage"]["completion_tokens"]
+                if usage := chunk.get("usage"):
+                    out["prompt_tokens"] = usage["prompt_tokens"]
+                    out["output_tokens"] = usage["completion_tokens"]
+                    out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 choices = chunk.get("choices") or []
                 if choices:                 # a step's tokens, its text maybe empty (held back, or no tokenizer)
                     if last is None:
@@ -280,17 +393,18 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, req: dict
 
 
 async def run_workload(targets: dict[str, tuple[str, str]], work: list[dict], turns: bool, warmup: int,
-                       advance) -> dict[str, tuple[list[dict], float]]:
-    """The workload on every target (name -> (url, model)), after `warmup` untimed requests to each; per
-    target its results and its duration (s). Without `turns`, one target: the requests at their arrival
-    times. With `turns`, one request at a time, taking turns: request i goes to every target in a rotated
-    order, each when the one before has finished, so that a slow spell of the machine falls on all of them;
-    a target's duration is then the sum of its latencies (the time it was serving)."""
+                       advance, warmup_req: dict | None = None) -> dict[str, tuple[list[dict], float]]:
+    """The workload on every target (name -> (url, model)), after `warmup` untimed requests to each (warmup_req,
+    by default the workload's first); per target its results and its duration (s). Without `turns`, one
+    target: the requests at their arrival times. With `turns`, one request at a time, taking turns: request
+    i goes to every target in a rotated order, each when the one before has finished, so that a slow spell
+    of the machine falls on all of them; a target's duration is then the sum of its latencies (the time it
+    was serving)."""
     limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         for url, model in targets.values():
             for _ in range(warmup):
-                await one_request(client, url, model, work[0], time.perf_counter())
+                await one_request(client, url, model, warmup_req or work[0], time.perf_counter())
         t0 = time.perf_counter()
         if turns:
             names, results = list(targets), {name: [] for name in targets}
@@ -352,9 +466,20 @@ def spread(name: str, values: list[float]) -> dict:
             f"{name}_ms_p99": percentile(ms, 99)}
 
 
+def hit_rate(done: list[dict]) -> tuple[int | None, float | None]:
+    """The prompt tokens the server found in its prefix cache, summed over the completed requests, and their
+    share of all their prompt tokens; None where a request's usage did not say (a server without the field)."""
+    cached = [r.get("cached_tokens") for r in done]
+    if not done or None in cached:
+        return None, None
+    prompt = sum(r["prompt_tokens"] for r in done)
+    return sum(cached), (sum(cached) / prompt if prompt else None)
+
+
 def aggregate(name: str, results: list[dict], work: list[dict], duration_s: float) -> dict:
     """A configuration's figures, flat: its name, then numbers (None where no request completed)."""
     done = [r for r in results if r["error"] is None]
+    cached, rate = hit_rate(done)
     out_tokens = sum(r["output_tokens"] for r in done)
     tpot = [(r["latency_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1]
     chunks = sum(r["chunks"] for r in done)
@@ -364,17 +489,19 @@ def aggregate(name: str, results: list[dict], work: list[dict], duration_s: floa
         **spread("ttft", [r["ttft_s"] for r in done]), **spread("tpot", tpot),
         **spread("itl", [g for r in done for g in r["itl_s"]]), **spread("e2e", [r["latency_s"] for r in done]),
         "tok_per_chunk": out_tokens / chunks if chunks else None,
-        "input_tokens": sum(r["prompt_tokens"] for r in done), "output_tokens": out_tokens,
+        "input_tokens": sum(r["prompt_tokens"] for r in done), "cached_tokens": cached, "hit_rate": rate,
+        "output_tokens": out_tokens,
         "requested_tokens": sum(w["output_len"] for w, r in zip(work, results) if r["error"] is None),
         "concurrency": sum(r["latency_s"] for r in done) / duration_s,   # requests in flight, on average
     }
 
 
 # ---- the configurations
-def bench_configs(args: argparse.Namespace, configs: list[dict], work: list[dict],
-                  progress) -> list[tuple[dict, dict]]:
-    """Start the servers of `configs` together (or take --url's), run the workload on them, check each is
-    clean (/integrity) and stop it; per configuration its figures and its run (server and raw numbers)."""
+def bench_configs(args: argparse.Namespace, configs: list[dict], work: list[dict], progress,
+                  warmup_req: dict | None = None) -> list[tuple[dict, dict]]:
+    """Start the servers of `configs` together (or take --url's), run the workload on them (after --warmup
+    warmup_req), check each is clean (/integrity) and stop it; per configuration its figures and its run
+    (server and raw numbers)."""
     tasks = {c["name"]: progress.add_task(f"{c['name']}: starting", total=len(work)) for c in configs}
     servers: dict[str, ServerProcess] = {}
     stops: dict[str, dict] = {}
@@ -390,7 +517,8 @@ def bench_configs(args: argparse.Namespace, configs: list[dict], work: list[dict
             progress.update(task, description=progress.tasks[task].description.replace("starting", "running"))
         load_before = os.getloadavg()[0]
         runs = asyncio.run(run_workload({name: (urls[name], models[name][0]) for name in urls}, work,
-                                        args.compare_ttft, args.warmup, lambda name: progress.advance(tasks[name])))
+                                        args.compare_ttft, args.warmup, lambda name: progress.advance(tasks[name]),
+                                        warmup_req))
         load_after = os.getloadavg()[0]
         reports = {name: integrity(url) for name, url in urls.items()}
     finally:
@@ -402,7 +530,8 @@ def bench_configs(args: argparse.Namespace, configs: list[dict], work: list[dict
         progress.update(tasks[name], description=f"{name}: done")
         results, duration = runs[name]
         stop = stops.get(name, {"exit_code": None, "left_behind": [], "output": ""})
-        record = {"config": name, "loop": c["loop"], "mtp": c["mtp"], "ftf": c["ftf"], "url": urls[name],
+        record = {"config": name, "loop": c["loop"], "mtp": c["mtp"], "ftf": c["ftf"], "cache": c["cache"],
+                  "url": urls[name],
                   "served_model": models[name][0], "max_model_len": models[name][1],
                   "command": servers[name].cmd if servers else None, "exit_code": stop["exit_code"],
                   "left_behind": stop["left_behind"], "integrity": reports[name],
@@ -435,23 +564,34 @@ def bench(args: argparse.Namespace) -> dict:
     model = served_model(args.url.rstrip("/"))[0] if args.url else args.model
     vocab = token_id_vocab(model)
     work = make_workload(args, vocab)
-    configs = [{"name": args.url, "loop": None, "mtp": None, "ftf": None}] if args.url else args.configs
+    warmup_req = warmup_request(args, work, vocab)
+    configs = ([{"name": args.url, "loop": None, "mtp": None, "ftf": None, "cache": None}] if args.url
+               else args.configs)
+    shared = args.dataset == GSP
+    gsp = {"num_groups": args.gsp_num_groups, "prompts_per_group": args.gsp_prompts_per_group,
+           "system_prompt_len": args.gsp_system_prompt_len, "question_len": args.gsp_question_len,
+           "output_len": args.gsp_output_len, "range_ratio": args.gsp_range_ratio,
+           "ordered": args.gsp_ordered} if shared else None
     record = {"tool": "tools/bench_serving.py", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "argv": sys.argv[1:], "device": None if args.url else args.device,
               "model": f"qwen3-{args.shape}-random" if args.shape else model, "mode": mode(args),
               "results": [],
-              "workload": {"num_requests": args.num_requests, "shape": args.shape, "model_path": model,
+              "workload": {"dataset": args.dataset, "num_requests": len(work), "shape": args.shape,
+                           "model_path": model,
                            "request_rate": args.request_rate if math.isfinite(args.request_rate)
                            and not args.compare_ttft else None,
                            "prompts": "words of the chapters" if vocab is None else f"token ids in [10, {vocab})",
-                           "input_len": list(args.input_len), "input_unit": "words" if vocab is None else "tokens",
-                           "output_len": list(args.output_len), "seed": args.seed, "warmup": args.warmup,
+                           "input_len": None if shared else list(args.input_len),
+                           "input_unit": "words" if vocab is None else "tokens",
+                           "output_len": None if shared else list(args.output_len), "gsp": gsp,
+                           "seed": args.seed, "warmup": args.warmup,
+                           "warmup_request": warmup_req if shared else None,   # else the first request
                            "max_running": args.max_running, "requests": work},
               "host_cpus": os.cpu_count(), "runs": []}
     columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as progress:
         for group in [configs] if args.compare_ttft else [[c] for c in configs]:
-            for result, run in bench_configs(args, group, work, progress):
+            for result, run in bench_configs(args, group, work, progress, warmup_req):
                 record["results"].append(result)
                 record["runs"].append(run)
             if args.json:                                   # after each configuration: a crash keeps the rest
@@ -481,42 +621,70 @@ def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def caption(w: dict) -> str:
+    """The workload in a line: its prompts and output lengths."""
+    if w.get("dataset", RANDOM) == GSP:
+        g, unit = w["gsp"], w["input_unit"]
+        lens = {k: str(g[k]) if g["range_ratio"] == 1 else f"{max(int(g[k] * g['range_ratio']), 1)}..{g[k]}"
+                for k in ("system_prompt_len", "question_len", "output_len")}
+        prompts = (f"{g['num_groups']} groups x {g['prompts_per_group']} prompts "
+                   f"({'in order' if g['ordered'] else 'shuffled'}): a system prompt of {lens['system_prompt_len']} "
+                   f"{unit} per group + a question of {lens['question_len']}, {w['prompts']}; "
+                   f"{lens['output_len']} output tokens")
+    else:
+        prompts = (f"prompts {w['input_len'][0]}..{w['input_len'][1]} {w['prompts']}, "
+                   f"{w['output_len'][0]}..{w['output_len'][1]} output tokens")
+    return (f"{prompts} (ignore_eos), greedy, seed {w['seed']}; ms; ITL per chunk (a step), TPOT per token; "
+            f"hit: cached / prompt tokens")
+
+
+def against(r: dict, run: dict, base: dict, base_run: dict, one_at_a_time: bool) -> str:
+    """r's median TTFT and output tokens/s against base's (one at a time, also request by request)."""
+    ttft = (r["ttft_ms_median"] / base["ttft_ms_median"] if r["ttft_ms_median"] and base["ttft_ms_median"]
+            else None)
+    tok = r["out_tok_s"] / base["out_tok_s"] if base["out_tok_s"] else None
+    paired = ""
+    if one_at_a_time:                           # request i ran on both back to back: compare it alone
+        ratios = [a["ttft_s"] / b["ttft_s"] for a, b in zip(run["per_request"], base_run["per_request"])
+                  if a["ttft_s"] and b["ttft_s"]]
+        paired = f" (request by request: median ratio {fmt(percentile(ratios, 50), '.2f', 'x')})"
+    return (f"{r['config']} against {base['config']}: median TTFT {fmt(ttft, '.2f', 'x')}{paired}, "
+            f"output tok/s {fmt(tok, '.2f', 'x')}")
+
+
 def report(record: dict) -> None:
-    """One row per configuration; then each one's median TTFT and output tokens/s against the first's."""
+    """One row per configuration; then each one's median TTFT and output tokens/s against the first's, and
+    each +cache configuration's against the same configuration without the cache, if it ran."""
     from rich.console import Console
     from rich.table import Table
     console = Console(width=None if sys.stdout.isatty() else 160)
     w, how = record["workload"], record["mode"]
     how = f"Poisson, {how.split()[1]} req/s" if how.startswith("rate ") else how
     where = f" ({record['model']} on {record['device']})" if record["device"] else f" ({record['model']})"
-    table = Table(title=f"minioverlap serve: {w['num_requests']} requests, {how}{where}",
-                  caption=f"prompts {w['input_len'][0]}..{w['input_len'][1]} {w['prompts']}, "
-                          f"{w['output_len'][0]}..{w['output_len'][1]} output tokens (ignore_eos), greedy, seed "
-                          f"{w['seed']}; ms; ITL per chunk (a step), TPOT per token")
+    table = Table(title=f"minioverlap serve: {w['num_requests']} requests, {how}{where}", caption=caption(w))
     columns = {"config": None, "done": None, "s": "duration_s", "req/s": "req_s", "out tok/s": "out_tok_s",
                "TTFT mean": "ttft_ms_mean", "TTFT med": "ttft_ms_median", "TTFT p99": "ttft_ms_p99",
                "TPOT med": "tpot_ms_median", "TPOT p99": "tpot_ms_p99", "ITL med": "itl_ms_median",
-               "ITL p99": "itl_ms_p99", "E2E med": "e2e_ms_median", "tok/chunk": "tok_per_chunk"}
+               "ITL p99": "itl_ms_p99", "E2E med": "e2e_ms_median", "tok/chunk": "tok_per_chunk", "hit": "hit_rate"}
     specs = {"duration_s": ".2f", "req_s": ".2f", "tok_per_chunk": ".2f"}
     for name in columns:
         table.add_column(name, justify="left" if name == "config" else "right")
     for r in record["results"]:
         done = f"{r['completed']}/{r['requests']}"
+        hit = r.get("hit_rate")                     # None: not reported (or a record made before chapter 17)
         table.add_row(r["config"], done if r["completed"] == r["requests"] else f"[red]{done}[/red]",
-                      *(fmt(r[key], specs.get(key, ".1f")) for key in list(columns.values())[2:]))
+                      *(fmt(r[key], specs.get(key, ".1f")) for key in list(columns.values())[2:-1]),
+                      fmt(None if hit is None else 100 * hit, ".1f", "%"))
     console.print(table)
+    one_at_a_time = record["mode"] == "one at a time"
+    runs = dict(zip((r["config"] for r in record["results"]), zip(record["results"], record["runs"])))
     first, first_run = record["results"][0], record["runs"][0]
     for r, run in zip(record["results"][1:], record["runs"][1:]):
-        ttft = (r["ttft_ms_median"] / first["ttft_ms_median"]
-                if r["ttft_ms_median"] and first["ttft_ms_median"] else None)
-        tok = r["out_tok_s"] / first["out_tok_s"] if first["out_tok_s"] else None
-        paired = ""
-        if record["mode"] == "one at a time":       # request i ran on both back to back: compare it alone
-            ratios = [a["ttft_s"] / b["ttft_s"] for a, b in zip(run["per_request"], first_run["per_request"])
-                      if a["ttft_s"] and b["ttft_s"]]
-            paired = f" (request by request: median ratio {fmt(percentile(ratios, 50), '.2f', 'x')})"
-        console.print(f"{r['config']} against {first['config']}: median TTFT {fmt(ttft, '.2f', 'x')}{paired}, "
-                      f"output tok/s {fmt(tok, '.2f', 'x')}", highlight=False)
+        console.print(against(r, run, first, first_run, one_at_a_time), highlight=False)
+    for r, run in zip(record["results"], record["runs"]):
+        twin = r["config"].removesuffix("+cache")
+        if r["config"].endswith("+cache") and twin in runs and twin != first["config"]:
+            console.print(against(r, run, *runs[twin], one_at_a_time), highlight=False)
     console.print(f"the host's load (1-minute average, {record['host_cpus']} CPUs) before and after: "
                   + ", ".join(f"{run['config']} {run['loadavg'][0]:.1f}/{run['loadavg'][1]:.1f}"
                               for run in record["runs"]), style="dim", highlight=False)
@@ -557,18 +725,30 @@ def rate(text: str) -> float:
 
 
 def configs(text: str) -> list[dict]:
-    """'normal,overlap+mtp2+ftf' -> one dict per server: its name, loop, MTP drafts and --first-tokens-first."""
+    """'normal,overlap+mtp2+ftf+cache' -> one dict per server: its name, loop, MTP drafts,
+    --first-tokens-first and the prefix cache (without +cache, --no-prefix-cache)."""
     out = []
     for name in (n.strip() for n in text.split(",")):
         if (m := CONFIG.match(name)) is None:
-            raise argparse.ArgumentTypeError(f"{name!r} is not LOOP[+mtpK][+ftf] (LOOP: normal or overlap)")
+            raise argparse.ArgumentTypeError(f"{name!r} is not LOOP[+mtpK][+ftf][+cache] (LOOP: normal or overlap)")
         if m["ftf"] and m["loop"] != "overlap":
             raise argparse.ArgumentTypeError(f"{name!r}: +ftf (--first-tokens-first) is the overlap loop's; the "
                                              "normal loop handles every step before it launches the next")
-        out.append({"name": name, "loop": m["loop"], "mtp": int(m["mtp"] or 0), "ftf": bool(m["ftf"])})
+        out.append({"name": name, "loop": m["loop"], "mtp": int(m["mtp"] or 0), "ftf": bool(m["ftf"]),
+                    "cache": bool(m["cache"])})
     if len({c["name"] for c in out}) < len(out):
         raise argparse.ArgumentTypeError(f"{text!r} names a configuration twice")
     return out
+
+
+def ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
 
 
 def positive(text: str) -> int:
@@ -585,7 +765,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=configs, metavar="LIST",
                         help="servers to compare, comma-separated: normal, overlap, normal+mtp2, overlap+ftf, "
-                             "overlap+mtp2+ftf, ... (default: normal,overlap)")
+                             "overlap+mtp2+ftf, overlap+cache, ...; the prefix cache only with +cache, last "
+                             "(default: normal,overlap)")
     parser.add_argument("--url", help="measure the server running there instead (no --configs)")
     parser.add_argument("--model", help="the model each started server serves: tiny (the default) or a checkpoint "
                                         "directory; without tokenizer.json the prompts are token ids")
@@ -600,14 +781,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seq-len", type=positive, metavar="N",
                         help="each started server's context (serve --max-seq-len; default: the model's): a real "
                              "shape's full context for every slot is a large KV pool")
-    parser.add_argument("--num-requests", type=positive, default=64, help="requests (default: %(default)s)")
+    parser.add_argument("--dataset", "--dataset-name", choices=(RANDOM, GSP), default=RANDOM,
+                        help="the workload, by SGLang's names (--dataset-name is SGLang's spelling): random, "
+                             "--num-requests prompts of --input-len; or generated-shared-prefix, groups of "
+                             "prompts that share a system prompt, --gsp-* (default: %(default)s)")
     parser.add_argument("--request-rate", type=rate, default=math.inf, metavar="R",
                         help="Poisson arrivals at R requests/s, or inf: all at once (default)")
-    parser.add_argument("--input-len", type=token_range, default=(8, 64), metavar="A..B",
-                        help="prompt length in words of the chapters' prose, or in tokens for a model "
-                             "without a tokenizer (default: 8..64)")
-    parser.add_argument("--output-len", type=token_range, default=(16, 64), metavar="A..B",
-                        help="output tokens per request (default: 16..64)")
+    rnd = parser.add_argument_group("the random dataset")
+    rnd.add_argument("--num-requests", type=positive, help=f"requests (default: {DEFAULTS['num_requests']})")
+    rnd.add_argument("--input-len", type=token_range, metavar="A..B",
+                     help="prompt length in words of the chapters' prose, or in tokens for a model "
+                          "without a tokenizer (default: 8..64)")
+    rnd.add_argument("--output-len", type=token_range, metavar="A..B",
+                     help="output tokens per request (default: 16..64)")
+    gsp = parser.add_argument_group("the generated-shared-prefix dataset", "SGLang's options; the lengths of "
+                                    "prompts in words of the chapters' prose, or in tokens for a model without a "
+                                    "tokenizer")
+    gsp.add_argument("--gsp-num-groups", type=positive, metavar="N",
+                     help=f"system prompts, one per group (default: {DEFAULTS['gsp_num_groups']})")
+    gsp.add_argument("--gsp-prompts-per-group", type=positive, metavar="N",
+                     help=f"requests per group, each with its own question "
+                          f"(default: {DEFAULTS['gsp_prompts_per_group']})")
+    gsp.add_argument("--gsp-system-prompt-len", type=positive, metavar="N",
+                     help=f"a system prompt's length (default: {DEFAULTS['gsp_system_prompt_len']})")
+    gsp.add_argument("--gsp-question-len", type=positive, metavar="N",
+                     help=f"a question's length (default: {DEFAULTS['gsp_question_len']})")
+    gsp.add_argument("--gsp-output-len", type=positive, metavar="N",
+                     help=f"output tokens per request (default: {DEFAULTS['gsp_output_len']})")
+    gsp.add_argument("--gsp-range-ratio", type=ratio, metavar="R",
+                     help="each length drawn from [max(int(N*R), 1), N]; 1: exactly N "
+                          f"(default: {DEFAULTS['gsp_range_ratio']:g})")
+    gsp.add_argument("--gsp-ordered", action="store_true", default=None,
+                     help="send the groups one after another, in order; by default the requests are shuffled "
+                          "and the groups interleave")
     parser.add_argument("--seed", type=int, default=0, help="the workload's random.Random seed (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each run (default: %(default)s)")
     parser.add_argument("--compare-ttft", action="store_true",
@@ -625,6 +831,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--shape {args.shape} serves a checkpoint of its own: give --shape or --model, not both")
     args.model = args.model or "tiny"
     args.configs = args.configs or configs("normal,overlap")
+    other = [name for name in DEFAULTS if getattr(args, name) is not None
+             and name.startswith("gsp_") == (args.dataset == RANDOM)]
+    if other:
+        options = ", ".join("--" + name.replace("_", "-") for name in other)
+        parser.error(f"{options}: {'not options' if len(other) > 1 else 'not an option'} of the {args.dataset} dataset"
+                     + (" (it sends --gsp-num-groups x --gsp-prompts-per-group requests)" if args.dataset == GSP else ""))
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
