@@ -52,7 +52,8 @@ def plant_delay(llm: LLM, cycles: int) -> None:
 def handover(delay: bool, fence: bool = True, defer_release: bool = False,
              prompt_on_forward_stream: bool = True) -> list[list[int]]:
     guards = Guards(fence=fence, defer_release=defer_release, prompt_on_forward_stream=prompt_on_forward_stream)
-    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, guards=guards)
+    # the handover needs B to take A's pages as A frees them: no prefix cache to keep them (chapter 17)
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, guards=guards, prefix_cache=False)
     if delay:
         plant_delay(llm, 20_000_000)
     a = llm.encode(PROMPT_A)
@@ -64,7 +65,8 @@ def handover(delay: bool, fence: bool = True, defer_release: bool = False,
 
 def mtp_handover(delay: bool, **guards: bool) -> list[list[int]]:
     llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, mtp_steps=3,
-              guards=Guards(**guards))
+              guards=Guards(**guards), prefix_cache=False)    # B takes A's pages as A frees them
+
     if delay:
         plant_delay(llm, 20_000_000)
     outs = llm.generate([PROMPT_A, PROMPT_B], [SamplingParams(max_tokens=2, ignore_eos=True),
@@ -86,7 +88,7 @@ def pageable(values: list[int], dtype: torch.dtype, device: str | torch.device) 
 
 
 def gap_engine(variant: str) -> LLM:
-    llm = LLM(model="tiny", device="cuda", fence=variant != "no fence")
+    llm = LLM(model="tiny", device="cuda", fence=variant != "no fence", prefix_cache=False)   # as recorded in chapter 08
     if variant.startswith("fallback"):
         fence = llm.runner.streams.fence
         llm.runner.streams.fence = lambda event: fence(None)
