@@ -66,7 +66,6 @@ def handover(delay: bool, fence: bool = True, defer_release: bool = False,
 def mtp_handover(delay: bool, **guards: bool) -> list[list[int]]:
     llm = LLM(model="tiny", device="cuda", dtype="float32", max_running=1, page_size=4, mtp_steps=3,
               guards=Guards(**guards), prefix_cache=False)    # B takes A's pages as A frees them
-
     if delay:
         plant_delay(llm, 20_000_000)
     outs = llm.generate([PROMPT_A, PROMPT_B], [SamplingParams(max_tokens=2, ignore_eos=True),
