@@ -180,12 +180,13 @@ def serve(args: argparse.Namespace, console: Console) -> None:
         raise ValueError("--first-tokens-first changes the overlap loop; the normal loop handles every step before "
                          "the next launch already: drop one of --first-tokens-first and --loop normal")
     # >>> ch17 replaces ch16: and the prefix cache
-    #| given = ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype")
-    given = ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype", "prefix_cache")
-    # <<< ch17
-    for name in given:                  # the engine options given on the command line
+    #| for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype"):
+    #|     if getattr(args, name) is not None:
+    #|         options[name] = getattr(args, name)
+    for name in ("cuda_graphs", "kernels", "max_running", "max_seq_len", "num_pages", "dtype", "prefix_cache"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    # <<< ch17
     try:
         run_server(options, host=args.host, port=args.port, first_tokens_first=args.first_tokens_first,
                    max_body_bytes=args.max_body_bytes)

@@ -76,6 +76,7 @@ class RadixCache:
         drafter the last matched page is left out too: the drafter's K and V at a position were computed
         from the token after it, and the token after the match may differ from the one the cache saw;
         one page earlier, that token lies inside the match."""
+        # >>> exercise 17.1: match a prompt's cached prefix
         node, pages = self.root, []
         for node, _ in self.walk(tokens[:-1]):
             pages = pages + node.pages
@@ -83,6 +84,7 @@ class RadixCache:
             node = self.split(node, len(node.pages) - 1) if len(node.pages) > 1 else node.parent
             pages = pages[:-1]
         return pages, node
+        # <<< exercise 17.1
 
     def insert(self, tokens: list[int], pages: list[int]) -> tuple[int, list[int], Node]:
         """Cache tokens (a whole number of pages) with their pages -> how many of the first pages the tree
@@ -153,6 +155,7 @@ class RadixCache:
     def problems(self, locked: list[Node]) -> list[str]:
         """What is wrong with the tree's account, given the nodes the running requests locked: each node's
         lock count is the number of them on or below it, and the page counts add up."""
+        # >>> exercise 17.2: the tree's account
         expected: dict[int, int] = {}
         for node in locked:
             while node is not self.root:
@@ -167,6 +170,7 @@ class RadixCache:
         if self.evictable_pages != unlocked:
             problems.append(f"the tree counts {self.evictable_pages} evictable pages but {unlocked} are unlocked")
         return problems
+        # <<< exercise 17.2
 
     def pages(self) -> list[int]:
         """Every page the tree holds."""
