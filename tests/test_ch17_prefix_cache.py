@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from minioverlap import LLM, SamplingParams
 from minioverlap.cache.allocator import PageAllocator
@@ -109,6 +110,35 @@ def test_the_drafter_reads_exact_cached_kv():
         assert second.cached_tokens == ((len(prompt) - 1) // page_size - 1) * page_size
         assert second.token_ids == first.token_ids
         assert second.verify_steps == first.verify_steps, page_size
+
+
+def drafter_keys(llm: LLM, prompt: list[int], positions: int) -> tuple[torch.Tensor, int]:
+    """Run one prompt; as its request is freed, the drafter's K at its first `positions` positions, and
+    how many prompt tokens it found in the cache."""
+    release, seen = llm.runner.release, {}
+
+    def keep_then_release(req):
+        slots = llm.runner.allocator.kv_slots(req.pages, 0, positions)
+        seen["k"], seen["cached"] = llm.runner.draft_kv_pool.k[0][slots].clone(), req.cached_tokens
+        release(req)
+
+    llm.runner.release = keep_then_release
+    llm.generate([prompt], PARAMS)
+    llm.runner.release = release
+    return seen["k"], seen["cached"]
+
+
+def test_the_drafter_k_and_v_of_a_match_are_those_of_its_own_tokens():
+    """Two prompts that part exactly at a page boundary (position 24, pages of 4). The drafter's K at
+    position 23 was computed from the token at 24, which differs: the match stops a page short (20
+    tokens), and the drafter's K at every position of the second prompt equals a fresh engine's."""
+    first, second = SYSTEM[:24] + [7] * 6, SYSTEM[:24] + [9] * 6
+    llm = LLM(page_size=4, mtp_steps=3)
+    llm.generate([first], PARAMS)
+    cached_k, cached = drafter_keys(llm, second, 24)
+    fresh_k, _ = drafter_keys(LLM(page_size=4, mtp_steps=3, prefix_cache=False), second, 24)
+    assert cached == 20
+    assert torch.allclose(cached_k, fresh_k, atol=1e-4), (cached_k - fresh_k).abs().amax(dim=(1, 2))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
