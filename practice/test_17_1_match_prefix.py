@@ -3,11 +3,10 @@
 
 Each case inserts random token sequences (whole pages, a vocabulary of three tokens, so that they share
 prefixes of every length) into a tree of page size 1, 2 or 4, and keeps, beside it, the page that first
-cached each prefix of whole pages. Then it matches prompts (prefixes of what was inserted, the same with
-a token more or less, and random ones), with and without the drafter, and requires of each match: the
-pages the table gives for the longest cached prefix of the prompt without its last token, in whole
-pages (one page fewer with the drafter); a node whose path from the root holds exactly those pages;
-that node locked, an account that holds; and the tree unchanged in what it caches.
+cached each prefix of whole pages. Then it matches keys (prefixes of what was inserted, the same with a
+token more or less, and random ones), and requires of each match: the pages the table gives for the
+longest cached prefix of the key, in whole pages; a node whose path from the root holds exactly those
+pages; that node locked, an account that holds; and the tree unchanged in what it caches.
 
     python practice/judge.py test 17.1
 """
@@ -25,9 +24,9 @@ CASES = 60
 
 
 def expected_pages(first: dict[tuple[int, ...], int], tokens: list[int], size: int) -> list[int]:
-    """The table's pages for the longest cached prefix of tokens[:-1], in whole pages."""
+    """The table's pages for the longest cached prefix of the key, in whole pages."""
     pages: list[int] = []
-    while (len(pages) + 1) * size <= len(tokens) - 1 and tuple(tokens[:(len(pages) + 1) * size]) in first:
+    while (len(pages) + 1) * size <= len(tokens) and tuple(tokens[:(len(pages) + 1) * size]) in first:
         pages.append(first[tuple(tokens[:(len(pages) + 1) * size])])
     return pages
 
@@ -59,17 +58,14 @@ def prompts(rng: random.Random, seqs: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
-@pytest.mark.parametrize("drafter", [False, True], ids=["target", "drafter"])
-def test_a_match_is_the_longest_cached_prefix_in_whole_pages_without_the_last_token(size, drafter):
+def test_a_match_is_the_longest_cached_prefix_in_whole_pages(size):
     rng = random.Random(1700 + size)
     for case in range(CASES):
         tree, first, seqs = build(rng, size)
         cached = sorted(tree.pages())
         for tokens in prompts(rng, seqs):
             want = expected_pages(first, tokens, size)
-            if drafter:
-                want = want[:-1]
-            pages, node = tree.match_prefix(tokens, drafter)
+            pages, node = tree.match_prefix(tokens)
             where = f"case {case}, page size {size}, prompt {tokens}"
             assert pages == want, f"{where}: matched pages {pages}, the cached prefix's are {want}"
             assert tree.path_pages(node) == pages, f"{where}: the node's path holds {tree.path_pages(node)}, not {pages}"
@@ -80,13 +76,14 @@ def test_a_match_is_the_longest_cached_prefix_in_whole_pages_without_the_last_to
             assert tree.problems([]) == [], f"{where}: {tree.problems([])}"
 
 
-def test_a_prompt_seen_whole_leaves_its_last_token_to_compute():
-    """A prompt of exactly two cached pages matches one page: its last token is never served from the
-    cache, and the page that holds it is computed again (the prefill needs that token's logits)."""
+def test_a_key_that_leaves_a_node_in_the_middle_splits_it_there():
+    """A node of three pages, matched for two: the match ends at a node of its own (the first two
+    pages), whose child holds the third; a partial page at the end of the key is never matched."""
     tree = RadixCache(PageAllocator(16, 4))
-    pages = tree.allocator.alloc(2)
-    tree.insert(list(range(8)), pages)
-    assert tree.match_prefix(list(range(8)))[0] == pages[:1]
-    assert tree.match_prefix(list(range(9)))[0] == pages
-    assert tree.match_prefix(list(range(9)), drafter=True)[0] == pages[:1]
-    assert tree.match_prefix(list(range(8)), drafter=True) == ([], tree.root)
+    pages = tree.allocator.alloc(3)
+    tree.insert(list(range(12)), pages)
+    matched, node = tree.match_prefix(list(range(8)) + [0, 0])
+    assert matched == pages[:2] and node.pages == pages[:2] and tree.path_pages(node) == pages[:2]
+    assert [child.pages for child in node.children.values()] == [pages[2:]]
+    assert tree.match_prefix(list(range(11)))[0] == pages[:2], "a partial last page is never matched"
+    assert tree.match_prefix(list(range(12)))[0] == pages

@@ -55,13 +55,13 @@ def test_tokens_equal_the_engine_without_the_cache(expected, overlap, page_size,
         outs = llm.generate(prompts, PARAMS)
         assert [o.token_ids for o in outs] == want, f"run {run + 1}"
         llm.check_integrity()
-    whole = [max((len(p) - 1) // page_size - bool(mtp), 0) * page_size for p in prompts]   # every prompt was seen
+    whole = [(len(p) - 1) // page_size * page_size for p in prompts]   # every prompt was seen, with its output
     assert [o.cached_tokens for o in outs] == whole
     longer = [prompts[0] + outs[0].token_ids + [5, 6]]          # a second turn: the first one's history, and more
     [turn] = llm.generate(longer, PARAMS)
     assert turn.token_ids == baseline(expected, longer, page_size, mtp)[0]
     history = len(prompts[0]) + len(outs[0].token_ids) - 1          # the finished request's tokens with K and V
-    assert turn.cached_tokens == (history // page_size - bool(mtp)) * page_size, "its output was cached too"
+    assert turn.cached_tokens == history // page_size * page_size, "its output was cached too"
     llm.check_integrity()
 
 
@@ -99,15 +99,14 @@ def test_with_the_cache_off_every_prompt_is_prefilled_from_scratch():
         LLM(prefix_cache=1)
 
 
-def test_the_drafter_reads_exact_cached_kv():
-    """With MTP the drafter's K and V of a cached prefix come from the same slots; the match stops one page
-    short, so that at its last position they were computed from the token this prompt has there. A prompt
-    seen before then drafts exactly as it did: the same target passes."""
+def test_a_prompt_seen_before_drafts_as_it_did():
+    """With MTP the drafter's K and V of a cached prefix come from the same slots, keyed by each token and
+    the next one: a prompt seen before drafts exactly as it did, in the same target passes."""
     for page_size in (1, 4, 16):
         llm = LLM(page_size=page_size, mtp_steps=3)
         prompt = SYSTEM + [7, 8, 9]
         first, second = (llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0] for _ in range(2))
-        assert second.cached_tokens == ((len(prompt) - 1) // page_size - 1) * page_size
+        assert second.cached_tokens == (len(prompt) - 1) // page_size * page_size
         assert second.token_ids == first.token_ids
         assert second.verify_steps == first.verify_steps, page_size
 
@@ -130,8 +129,9 @@ def drafter_keys(llm: LLM, prompt: list[int], positions: int) -> tuple[torch.Ten
 
 def test_the_drafter_k_and_v_of_a_match_are_those_of_its_own_tokens():
     """Two prompts that part exactly at a page boundary (position 24, pages of 4). The drafter's K at
-    position 23 was computed from the token at 24, which differs: the match stops a page short (20
-    tokens), and the drafter's K at every position of the second prompt equals a fresh engine's."""
+    position 23 was computed from the token at 24, which differs: the bigram key does not match that page
+    (20 tokens from the cache), and when the second prompt is cached its own copy of the page is no
+    duplicate. Its drafter's K at every position equals a fresh engine's."""
     first, second = SYSTEM[:24] + [7] * 6, SYSTEM[:24] + [9] * 6
     llm = LLM(page_size=4, mtp_steps=3)
     llm.generate([first], PARAMS)
@@ -240,10 +240,8 @@ def test_match_and_insert_are_whole_pages():
     pages = cache.allocator.alloc(3)
     held, path, node = cache.insert([1, 2, 3, 4, 5, 6], pages)
     assert (held, path) == (0, pages)
-    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7])[0] == pages
-    assert cache.match_prefix([1, 2, 3, 4, 5, 6])[0] == pages[:2], "the last token is never matched"
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7])[0] == pages, "a partial last page is never matched"
     assert cache.match_prefix([1, 2, 3, 9, 9])[0] == pages[:1], "a page that differs anywhere is not matched"
-    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7], drafter=True)[0] == pages[:2]
     other = cache.allocator.alloc(3)
     held, path, _ = cache.insert([1, 2, 3, 4, 8, 8], other)
     assert held == 2 and path == pages[:2] + other[2:], "the first two pages were held: the caller's copies are duplicates"

@@ -3,12 +3,14 @@
 
 A path from the root spells a token sequence whose K and V some earlier request computed; its nodes hold
 the pages that keep them. A new request whose prompt starts with a cached sequence takes those pages
-instead of computing them again. Keys are whole pages: a node's key is a whole number of pages of
-tokens, and its children are keyed by their first page. A page is shared whole or not at all (its slots
-belong to one sequence), so the partial last page of a sequence is never cached.
+instead of computing them again. The tree's key of a sequence has one entry per position (the runner
+makes it, ModelRunner.cache_key: the token, or with an MTP drafter the token and the next one). Keys
+are whole pages: a node's key is a whole number of pages of entries, and its children are keyed by their
+first page. A page is shared whole or not at all (its slots belong to one sequence), so the partial
+last page of a sequence is never cached.
 
-    match_prefix  the longest cached prefix of a prompt, in whole pages, and the node where it ends
-    insert        a sequence and its pages; returns how many of its first pages the tree already held
+    match_prefix  the longest cached prefix of a key, in whole pages, and the node where it ends
+    insert        a key and its pages; returns how many of its first pages the tree already held
     lock/unlock   a running request keeps its path from eviction: lock counts go up to the root
     evict         free the pages of unlocked leaves, least recently used first, when the pool runs short
 
@@ -27,7 +29,7 @@ from minioverlap.cache.allocator import PageAllocator
 
 class Node:
     def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None, parent: Node | None = None) -> None:
-        self.key = key                   # its tokens, a whole number of pages
+        self.key = key                   # its entries (tokens), a whole number of pages
         self.pages = pages or []         # one page per page_size tokens of key
         self.parent = parent
         self.children: dict[tuple[int, ...], Node] = {}   # by each child's first page of tokens
@@ -46,57 +48,41 @@ class RadixCache:
         self.cached_pages = 0            # pages the tree holds
         self.evictable_pages = 0         # of those, pages no running request locks
 
-    def page(self, tokens: list[int] | tuple[int, ...], i: int) -> tuple[int, ...]:
-        """Page i of a token sequence: a child's key in its parent."""
-        return tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+    def page(self, key: list | tuple, i: int) -> tuple:
+        """Page i of a key: a child's key in its parent."""
+        return tuple(key[i * self.page_size:(i + 1) * self.page_size])
 
-    def common_pages(self, node: Node, tokens: list[int], start: int) -> int:
-        """How many whole pages of node's key equal tokens from page `start` on."""
+    def common_pages(self, node: Node, key: list, start: int) -> int:
+        """How many whole pages of node's key equal key's from page `start` on."""
         n = 0
-        while n < len(node.pages) and self.page(node.key, n) == self.page(tokens, start + n) \
-                and len(self.page(tokens, start + n)) == self.page_size:
+        while n < len(node.pages) and self.page(node.key, n) == self.page(key, start + n):
             n += 1
         return n
 
-    def walk(self, tokens: list[int]) -> Iterator[tuple[Node, int]]:
-        """The nodes along tokens' cached prefix (a node that only starts it is split where it stops),
-        each with the number of pages matched once it is passed."""
-        node, matched = self.root, 0
-        while (child := node.children.get(self.page(tokens, matched))) is not None:
-            n = self.common_pages(child, tokens, matched)
-            if n == 0:
-                return
-            node, matched = self.split(child, n) if n < len(child.pages) else child, matched + n
-            node.last_use = next(self.clock)
-            yield node, matched
-
-    def match_prefix(self, tokens: list[int], drafter: bool = False) -> tuple[list[int], Node]:
-        """The longest cached prefix of tokens[:-1] in whole pages -> its pages, and the node where it ends.
-        The last token is never matched: the prefill must compute it, for its logits. With an MTP
-        drafter the last matched page is left out too: the drafter's K and V at a position were computed
-        from the token after it, and the token after the match may differ from the one the cache saw;
-        one page earlier, that token lies inside the match."""
-        # >>> exercise 17.1: match a prompt's cached prefix
+    def match_prefix(self, key: list) -> tuple[list[int], Node]:
+        """The longest cached prefix of key in whole pages -> its pages, and the node where it ends. A
+        node that the key leaves in the middle is split there, so that a node ends where the match
+        does; every node passed is marked used now."""
+        # >>> exercise 17.1: match a key's cached prefix
         node, pages = self.root, []
-        for node, _ in self.walk(tokens[:-1]):
+        while (child := node.children.get(self.page(key, len(pages)))) is not None:
+            n = self.common_pages(child, key, len(pages))
+            node = self.split(child, n) if n < len(child.pages) else child
+            node.last_use = next(self.clock)
             pages = pages + node.pages
-        if drafter and pages:
-            node = self.split(node, len(node.pages) - 1) if len(node.pages) > 1 else node.parent
-            pages = pages[:-1]
         return pages, node
         # <<< exercise 17.1
 
-    def insert(self, tokens: list[int], pages: list[int]) -> tuple[int, list[int], Node]:
-        """Cache tokens (a whole number of pages) with their pages -> how many of the first pages the tree
-        held already (the caller's copies of those are duplicates), the tree's pages for all of tokens,
-        and the node where they end."""
-        if len(tokens) != len(pages) * self.page_size:
-            raise ValueError(f"insert: {len(pages)} pages for {len(tokens)} tokens (page size {self.page_size})")
-        node, held, path = self.root, 0, []
-        for node, held in self.walk(tokens):
-            path += node.pages
+    def insert(self, key: list, pages: list[int]) -> tuple[int, list[int], Node]:
+        """Cache key (a whole number of pages) with its pages -> how many of the first pages the tree held
+        already (the caller's copies of those are duplicates), the tree's pages for all of key, and the
+        node where they end."""
+        if len(key) != len(pages) * self.page_size:
+            raise ValueError(f"insert: {len(pages)} pages for a key of {len(key)} (page size {self.page_size})")
+        path, node = self.match_prefix(key)
+        held = len(path)
         if held < len(pages):
-            child = Node(tuple(tokens[held * self.page_size:]), pages[held:], node)
+            child = Node(tuple(key[held * self.page_size:]), pages[held:], node)
             child.last_use = next(self.clock)
             node.children[self.page(child.key, 0)] = child
             self.cached_pages += len(child.pages)

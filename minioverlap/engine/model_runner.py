@@ -55,9 +55,8 @@ class ModelRunner:
     # >>> ch16: the logprobs of the step being launched (None: no request asked), until run hands them to it
     logprobs: StepLogprobs | None = None
     # <<< ch16
-    # >>> ch17: the prefix cache, if init_prefix_cache made it; a drafter's cached K and V need one token more
+    # >>> ch17: the prefix cache, if init_prefix_cache made it
     tree: RadixCache | None = None
-    drafter = False
     # <<< ch17
 
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int | None, page_size: int, max_running: int,
@@ -330,12 +329,18 @@ class ModelRunner:
         allocator comes to it when the free list runs short."""
         self.tree = RadixCache(self.allocator)
 
+    def cache_key(self, tokens: list[int]) -> list:
+        """The tree's key of a token sequence: an entry for each position but the last, the token there.
+        The last position's K and V are the next step's to compute: a prompt's last token must run for
+        its logits, and a request's newest token has not run yet."""
+        return tokens[:-1]
+
     def match_prefix(self, req: Req) -> None:
         """Before admission: the longest cached prefix of its prompt becomes its first pages, locked for it;
         its prefill starts after them. `release` undoes it if it is not admitted after all."""
         if self.tree is None:
             return
-        pages, req.last_node = self.tree.match_prefix(req.prompt_ids, self.drafter)
+        pages, req.last_node = self.tree.match_prefix(self.cache_key(req.prompt_ids))
         self.tree.lock(req.last_node)
         req.pages = pages
         req.cached_len = req.cached_tokens = req.seq_len = len(pages) * self.allocator.page_size
@@ -348,9 +353,9 @@ class ModelRunner:
         if self.tree is None:
             return
         size = self.allocator.page_size
-        tokens = (req.prompt_ids + req.output_ids)[:-1]
-        n = len(tokens) // size
-        held, pages, node = self.tree.insert(tokens[:n * size], req.pages[:n])
+        key = self.cache_key(req.prompt_ids + req.output_ids)
+        n = len(key) // size
+        held, pages, node = self.tree.insert(key[:n * size], req.pages[:n])
         start = req.cached_len // size
         duplicates = req.pages[start:held]                  # its own copies of pages the tree held already
         req.pages[:n] = pages

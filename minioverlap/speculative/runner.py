@@ -60,9 +60,6 @@ class SpecRunner(ModelRunner):
     # >>> ch13: no graphs unless init_graphs captures them
     graphs: SpecGraphs | None = None
     # <<< ch13
-    # >>> ch17: the drafter's cached K and V at a page's last position were computed from the token after it
-    drafter = True
-    # <<< ch17
 
     def __init__(self, model: Qwen3ForCausalLM, mtp: MTPLayer, mtp_steps: int, *, max_seq_len: int, **sizes) -> None:
         """Draft mtp_steps tokens a step with the MTP layer. It gets its own KV pool, one layer at the same
@@ -233,6 +230,15 @@ class SpecRunner(ModelRunner):
         req.verify_steps += 1
         if out.batch.mode is ForwardMode.TARGET_VERIFY:
             req.seq_len += len(tokens)
+
+    # >>> ch17: the prefix cache
+
+    def cache_key(self, tokens: list[int]) -> list:
+        """The drafter's K and V at a position were computed from the token after it: a cached position is
+        shared only by sequences that agree on the next token too. So the key of each position is the
+        pair (its token, the next one), SGLang's bigram key; the same count of entries as the plain key."""
+        return list(zip(tokens, tokens[1:]))
+    # <<< ch17
 
     def tokens_needed(self, req: Req) -> int:
         """The plain runner's count, and the KV slots the verify windows may reach past the last token."""
