@@ -55,9 +55,8 @@ class OutputProcessorMixin:
         for req, reply, logprobs in zip(out.batch.reqs, replies, self.runner.logprob_lists(out)):
             self.add_logprobs(req, reply, logprobs)
         # <<< ch16
-        # >>> ch17: a handled prefill's K and V join the prefix cache
-        # a handled prefill's requests join the prefix cache, but not one it ended (cached as it was freed)
-        # nor one aborted while it ran (dropped whole)
+        # >>> ch17: a handled prefill's requests join the prefix cache
+        # (not one it ended, cached as it was freed, nor one aborted while it ran, dropped whole)
         if out.batch.mode is ForwardMode.EXTEND:
             for req in out.batch.reqs:
                 if not req.finished:
