@@ -1,23 +1,47 @@
 # >>> ch02 file: attention through the page table
+# >>> ch18 replaces ch02: one attention call for the whole ragged prefill
+#| """PagedAttention: the attention context of a ForwardBatch.
+#|
+#| The step's page table (each request's row of req_to_token) is read once, when the context is made.
+#| Each layer then writes this step's K and V into the KV pool at `out_cache_loc` and reads every K and V
+#| of each request through the page table:
+#|
+#|     EXTEND (ragged prefill): one request at a time, its new queries against its whole sequence;
+#|     DECODE (batched): all requests at once, one query each, against K/V gathered into [B, L] and
+#|                       padded to the longest sequence; positions past a request's length are masked.
+#| """
 """PagedAttention: the attention context of a ForwardBatch.
 
 The step's page table (each request's row of req_to_token) is read once, when the context is made.
 Each layer then writes this step's K and V into the KV pool at `out_cache_loc` and reads every K and V
 of each request through the page table:
 
-    EXTEND (ragged prefill): one request at a time, its new queries against its whole sequence;
+    EXTEND (ragged prefill): all requests at once, in SGLang's ragged layout (ExtendIndices: qo_indptr
+                      over the new tokens, kv_indptr and kv_indices over each request's prefix + new
+                      tokens), one masked attention for the batch, causal inside the new tokens;
     DECODE (batched): all requests at once, one query each, against K/V gathered into [B, L] and
                       padded to the longest sequence; positions past a request's length are masked.
 """
+# <<< ch18
 
 from __future__ import annotations
 
+# >>> ch18: the ragged indices, built once a step
+from dataclasses import dataclass
+from functools import cached_property
+
+# <<< ch18
 import torch
 import torch.nn.functional as F
 
 from minioverlap.cache.kv_pool import KVPool
+# >>> ch18: the ragged indices, built once a step
+from minioverlap.device.transfer import to_device_together
+# <<< ch18
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
-from minioverlap.model.qwen3 import attention
+# >>> ch18 removes ch02: the loop over requests called chapter 01's attention
+#| from minioverlap.model.qwen3 import attention
+# <<< ch18
 
 
 class PagedAttention:
@@ -43,15 +67,25 @@ class PagedAttention:
         """The step's new K and V [T, kv_heads, head_dim] into the pool at their slots (out_cache_loc)."""
         self.kv_pool.store(layer_id, self.batch.out_cache_loc, k, v)
 
+    # >>> ch18 replaces ch02: one attention call for the whole ragged prefill
+    #| def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+    #|     """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, read through its row."""
+    #|     b, out, start = self.batch, [], 0
+    #|     for row, prefix, n in zip(self.page_table, b.prefix_lens, b.extend_lens):
+    #|         loc = row[:prefix + n]
+    #|         k, v = self.kv_pool.k[layer_id][loc], self.kv_pool.v[layer_id][loc]
+    #|         out.append(attention(q[start:start + n], k, v, q_start=prefix))
+    #|         start += n
+    #|     return torch.cat(out)
+    @cached_property
+    def extend(self) -> ExtendIndices:
+        """The step's ragged indices, built by its first layer and read by every layer after it."""
+        return extend_indices(self.batch.prefix_lens, self.batch.extend_lens, self.page_table)
+
     def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
-        """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, read through its row."""
-        b, out, start = self.batch, [], 0
-        for row, prefix, n in zip(self.page_table, b.prefix_lens, b.extend_lens):
-            loc = row[:prefix + n]
-            k, v = self.kv_pool.k[layer_id][loc], self.kv_pool.v[layer_id][loc]
-            out.append(attention(q[start:start + n], k, v, q_start=prefix))
-            start += n
-        return torch.cat(out)
+        """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, all requests in one call."""
+        return ragged_extend_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.extend)
+    # <<< ch18
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
@@ -88,3 +122,80 @@ def window_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                                          attn_mask=visible[:, None], enable_gqa=True)         # [B, Hq, W, D]
     return out.transpose(1, 2).reshape(B * W, Hq, D)
 # <<< ch09
+# >>> ch18: one attention call for the whole ragged prefill
+
+
+@dataclass(frozen=True)
+class ExtendIndices:
+    """A prefill step's ragged layout, SGLang's (triton_ops/extend_attention.py), for B requests:
+
+        qo_indptr  [B+1]  request b's new tokens are q[qo_indptr[b] : qo_indptr[b+1]]
+        kv_indptr  [B+1]  its prefix + new tokens are kv_indices[kv_indptr[b] : kv_indptr[b+1]]
+        kv_indices [S]    their KV slots, request after request, each in position order
+        kv_batch, kv_pos [S]  the request and the position of each entry of kv_indices
+
+    Request b's prefix length is (kv_indptr[b+1] - kv_indptr[b]) - (qo_indptr[b+1] - qo_indptr[b]).
+    (SGLang's kv_indptr covers the prefix alone and reads the new K and V from the layer's own tensors;
+    here it covers both, as the pool holds both once the layer has stored them.) max_extend and max_kv,
+    the longest new part and the longest sequence, are the host's: they size the padding and the grid."""
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_batch: torch.Tensor
+    kv_pos: torch.Tensor
+    max_extend: int
+    max_kv: int
+
+
+def extend_indices(prefix_lens: list[int], extend_lens: list[int], page_table: torch.Tensor) -> ExtendIndices:
+    """The ragged layout from the batch's host lists and the step's page table [B, L] (its rows of
+    req_to_token): the index pointers from the host's sizes in one copy, the slot list gathered from the
+    page table on the device, without a loop over requests and without reading anything back."""
+    kv_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    ptr = to_device_together({"qo": cumulative(extend_lens), "kv": cumulative(kv_lens), "lens": kv_lens},
+                             torch.int64, page_table.device)
+    total = sum(kv_lens)
+    kv_batch = torch.repeat_interleave(torch.arange(len(kv_lens), device=page_table.device), ptr["lens"],
+                                       output_size=total)
+    kv_pos = torch.arange(total, device=page_table.device) - ptr["kv"][kv_batch]
+    return ExtendIndices(ptr["qo"], ptr["kv"], page_table[kv_batch, kv_pos], kv_batch, kv_pos,
+                         max(extend_lens), max(kv_lens))
+
+
+def cumulative(lens: list[int]) -> list[int]:
+    """[0, l0, l0+l1, ...]: the index pointers of a ragged list."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def ragged_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                            ix: ExtendIndices) -> torch.Tensor:
+    """Every request's new queries, q [T, Hq, D] laid end to end, against its own prefix + new K and V,
+    read from the pool through ix.kv_indices, causal inside the new tokens -> [T, Hq, D].
+
+    One masked attention for the batch: q scattered into [B, M] and K, V into [B, N], padded to
+    M = max_extend and N = max_kv; query i of request b (position prefix_b + i) sees key j when j <= prefix_b + i
+    and j < its length. What it costs: the padding, B*N slots of K and V (as decode pads to the longest
+    sequence) and B*Hq*M*N fp32 scores, where the loop over requests held one request's n_b*N at a time;
+    a batch of one long prompt and several short ones pays for B long ones. The kernel
+    (minioverlap/kernels/extend_attention.py) pads nothing. A padded query row sees keys too, so no row
+    is all -inf; its output is never read."""
+    T, Hq, D = q.shape
+    B = len(ix.qo_indptr) - 1
+    q_batch = torch.repeat_interleave(torch.arange(B, device=q.device), ix.qo_indptr.diff(), output_size=T)
+    q_row = torch.arange(T, device=q.device) - ix.qo_indptr[q_batch]                   # i: 0 .. n_b - 1
+    qp = q.new_zeros(B, ix.max_extend, Hq, D).index_put_((q_batch, q_row), q)
+    k = k_pool.new_zeros(B, ix.max_kv, *k_pool.shape[1:]).index_put_((ix.kv_batch, ix.kv_pos),
+                                                                     k_pool[ix.kv_indices])
+    v = v_pool.new_zeros(B, ix.max_kv, *v_pool.shape[1:]).index_put_((ix.kv_batch, ix.kv_pos),
+                                                                     v_pool[ix.kv_indices])
+    kv_lens, n = ix.kv_indptr.diff(), ix.qo_indptr.diff()
+    q_pos = (kv_lens - n)[:, None] + torch.arange(ix.max_extend, device=q.device)[None, :]   # [B, M]
+    j = torch.arange(ix.max_kv, device=q.device)
+    visible = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])   # [B, M, N]
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=visible[:, None], enable_gqa=True)     # [B, Hq, M, D]
+    return out.transpose(1, 2)[q_batch, q_row]
+# <<< ch18

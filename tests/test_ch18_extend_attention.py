@@ -1,0 +1,188 @@
+"""Chapter 18 (so far): one attention call for the whole ragged prefill. The batched reference equals the
+loop over requests it replaces, on ragged batches with and without cached prefixes and the GQA shapes of
+the tiny model; the extend kernel equals the reference (in Triton's interpreter without a GPU); a
+prefill step's attention is the same work, the same number of calls and launches, for one request or
+many. The engine's tokens, unchanged, are chapters 03, 15 and 17's tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import DEVICE
+from minioverlap import LLM, SamplingParams
+from minioverlap.engine import triton_attention
+from minioverlap.engine.attention import PagedAttention, extend_indices, ragged_extend_attention
+from minioverlap.engine.forward_batch import ForwardMode
+from minioverlap.engine.model_runner import ModelRunner
+from minioverlap.kernels.extend_attention import extend_attention
+from minioverlap.model.qwen3 import attention
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: the same arithmetic in another order (2e-5 of the largest value); bf16: 2 roundings."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = max(1.0, want.abs().max().item())
+    atol = 2e-5 * scale if want.dtype == torch.float32 else 2 * 2 ** -7 * scale
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= atol, f"max error {err:.3g} > {atol:.3g}"
+
+
+def ragged_case(prefix_lens: list[int], extend_lens: list[int], kv_heads: int, group: int, head_dim: int,
+                page_size: int, dtype: torch.dtype, seed: int = 0):
+    """Requests with prefix_lens[b] cached tokens and extend_lens[b] new ones, their slots scattered over
+    a pool in pages of page_size; the page table's slots past each request's end are stale (live slots of
+    others). -> q [T, Hq, D], the new k, v [T, Hkv, D] (already stored in the pool), the pools, the table."""
+    g = torch.Generator().manual_seed(seed)
+    ends = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    pages = len(ends) * -(-max(ends) // page_size)
+    slots = pages * page_size
+    table = torch.randint(0, slots, (len(ends), max(ends) + 3), generator=g)
+    order = torch.randperm(pages, generator=g).view(len(ends), -1)          # each request its own pages
+    for b, end in enumerate(ends):
+        pos = torch.arange(end)
+        table[b, :end] = order[b][pos // page_size] * page_size + pos % page_size
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+    q = randn(sum(extend_lens), kv_heads * group, head_dim)
+    k_pool, v_pool = randn(slots, kv_heads, head_dim), randn(slots, kv_heads, head_dim)
+    new = torch.cat([table[b, p:e] for b, (p, e) in enumerate(zip(prefix_lens, ends))]).to(DEVICE)
+    return q, k_pool[new].clone(), v_pool[new].clone(), k_pool, v_pool, table.to(DEVICE)
+
+
+def per_request(q, k_pool, v_pool, table, prefix_lens, extend_lens) -> torch.Tensor:
+    """The loop over requests that chapter 18 replaces (chapter 02's extend_attention)."""
+    out, start = [], 0
+    for row, prefix, n in zip(table, prefix_lens, extend_lens):
+        loc = row[:prefix + n]
+        out.append(attention(q[start:start + n], k_pool[loc], v_pool[loc], q_start=prefix))
+        start += n
+    return torch.cat(out)
+
+
+CASES = {
+    "no prefix": ([0, 0, 0], [7, 1, 23]),
+    "prefixes": ([5, 0, 17, 40], [3, 9, 1, 30]),
+    "one request": ([12], [20]),
+    "prefix longer than a page of new": ([63, 1, 2], [2, 40, 1]),
+}
+
+
+# ---- the batched reference
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_batched_reference_equals_the_loop_over_requests(case, group, page_size):
+    """Tiny's shape is 2 KV heads of 64, group 2; groups 1 and 4 too."""
+    prefix_lens, extend_lens = CASES[case]
+    q, _, _, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, group, 64, page_size, torch.float32)
+    got = ragged_extend_attention(q, k_pool, v_pool, extend_indices(prefix_lens, extend_lens, table))
+    close(got, per_request(q, k_pool, v_pool, table, prefix_lens, extend_lens))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_batched_reference_equals_the_loop_on_random_ragged_batches(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    B = int(torch.randint(1, 7, (1,), generator=g))
+    prefix_lens = [int(x) * int(seed % 2) for x in torch.randint(0, 50, (B,), generator=g)]
+    extend_lens = [int(x) for x in torch.randint(1, 40, (B,), generator=g)]
+    q, _, _, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, 2, 64, 4, torch.float32, seed)
+    got = ragged_extend_attention(q, k_pool, v_pool, extend_indices(prefix_lens, extend_lens, table))
+    close(got, per_request(q, k_pool, v_pool, table, prefix_lens, extend_lens))
+
+
+def test_the_ragged_indices_lay_out_each_request_s_slots_in_order():
+    """qo_indptr over the new tokens, kv_indptr over prefix + new, kv_indices each request's row in order."""
+    table = torch.arange(30).view(3, 10)
+    ix = extend_indices([2, 0, 4], [3, 1, 2], table)
+    assert ix.qo_indptr.tolist() == [0, 3, 4, 6] and ix.kv_indptr.tolist() == [0, 5, 6, 12]
+    assert ix.kv_indices.tolist() == [0, 1, 2, 3, 4, 10, 20, 21, 22, 23, 24, 25]
+    assert (ix.max_extend, ix.max_kv) == (3, 6)
+
+
+# ---- the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_extend_kernel_equals_the_reference(dtype, case, group):
+    """Blocks of 16 rows and 16 keys: requests across several blocks of each, and shorter than one."""
+    prefix_lens, extend_lens = CASES[case]
+    q, k, v, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, group, 32, 4, dtype)
+    ix = extend_indices(prefix_lens, extend_lens, table)
+    want = ragged_extend_attention(q, k_pool, v_pool, ix)
+    got = extend_attention(q, k, v, k_pool, v_pool, ix.qo_indptr, ix.kv_indptr, ix.kv_indices, ix.max_extend,
+                           block_m=16, block_n=16)
+    close(got, want)
+
+
+@pytest.mark.parametrize("head_dim,group", [(8, 4), (48, 1), (64, 2)])
+def test_the_extend_kernel_pads_a_head_dim_that_is_no_power_of_two(head_dim, group):
+    prefix_lens, extend_lens = [9, 0], [5, 20]
+    q, k, v, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, group, head_dim, 4, torch.float32)
+    ix = extend_indices(prefix_lens, extend_lens, table)
+    got = extend_attention(q, k, v, k_pool, v_pool, ix.qo_indptr, ix.kv_indptr, ix.kv_indices, ix.max_extend)
+    close(got, ragged_extend_attention(q, k_pool, v_pool, ix))
+
+
+# ---- the launches of a prefill step
+
+
+class CountOps(TorchDispatchMode):
+    """Every aten operator called under it: on a GPU, each one a kernel launch (or none: a view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def prefill_counts(monkeypatch, kernels: bool, prompts: list[list[int]]) -> tuple[int, int, int]:
+    """One prefill step of these prompts -> (its requests, the aten operators its attention called over
+    every layer, the extend kernel's launches)."""
+    steps, launches = [], []
+    forward = ModelRunner.forward
+
+    def counted_forward(self, batch, input_ids, ctx):
+        if batch.mode is not ForwardMode.EXTEND:
+            return forward(self, batch, input_ids, ctx)
+        attend = ctx.attend
+        counter = CountOps()
+
+        def counted_attend(*args):
+            with counter:
+                return attend(*args)
+        ctx.attend = counted_attend
+        out = forward(self, batch, input_ids, ctx)
+        steps.append((len(batch.reqs), counter.ops))
+        return out
+
+    def counted_kernel(*args, **kwargs):
+        launches.append(1)
+        return extend_attention(*args, **kwargs)
+    monkeypatch.setattr(ModelRunner, "forward", counted_forward)
+    monkeypatch.setattr(triton_attention, "extend_attention", counted_kernel)
+    LLM(model="tiny", kernels=kernels, overlap=False, page_size=4).generate(prompts, SamplingParams(max_tokens=1))
+    assert len(steps) == 1, f"the prompts should be one prefill step, not {len(steps)}"
+    return steps[0][0], steps[0][1], len(launches)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_prefill_step_s_attention_launches_do_not_depend_on_its_requests(monkeypatch, kernels):
+    """One prompt or five, one long and four short: the same operators in every layer's attention (the
+    loop over requests called a dozen per request), and on the fast path one extend kernel a layer."""
+    one = prefill_counts(monkeypatch, kernels, [list(range(10, 50))])
+    five = prefill_counts(monkeypatch, kernels, [list(range(10, 50)), [3, 4], [5] * 9, list(range(60, 77)), [8]])
+    layers = 6                                                          # the tiny model's
+    assert (one[0], five[0]) == (1, 5)
+    assert one[1] == five[1], f"attention ops: {one[1]} for one request, {five[1]} for five"
+    assert one[2] == five[2] == (layers if kernels else 0)
