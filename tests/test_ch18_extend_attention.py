@@ -2,7 +2,8 @@
 loop over requests it replaces, on ragged batches with and without cached prefixes and the GQA shapes of
 the tiny model; the extend kernel equals the reference (in Triton's interpreter without a GPU); a
 prefill step's attention is the same work, the same number of calls and launches, for one request or
-many. The engine's tokens, unchanged, are chapters 03, 15 and 17's tests."""
+many; and the fast path's prefills over cached prefixes give the reference's tokens. The engine's tokens,
+unchanged, are chapters 03, 15 and 17's tests."""
 
 from __future__ import annotations
 
@@ -186,3 +187,25 @@ def test_a_prefill_step_s_attention_launches_do_not_depend_on_its_requests(monke
     assert (one[0], five[0]) == (1, 5)
     assert one[1] == five[1], f"attention ops: {one[1]} for one request, {five[1]} for five"
     assert one[2] == five[2] == (layers if kernels else 0)
+
+
+# ---- the engine
+
+
+SYSTEM = list(range(100, 130))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_fast_path_s_prefills_with_cached_prefixes_give_the_reference_tokens(overlap):
+    """Prompts that share a system prompt, sent twice: the second time every prefill is a ragged batch of
+    cached prefixes (the kernel's prefix loop) and new tokens of several lengths (its causal part)."""
+    prompts = [SYSTEM + [7, 8, 9], SYSTEM[:13] + [3] * 20, SYSTEM + list(range(40, 58)), [5, 6]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def rounds(kernels: bool) -> list[list[list[int]]]:
+        llm = LLM(model="tiny", kernels=kernels, overlap=overlap, page_size=4)
+        runs = [llm.generate(prompts, params) for _ in range(2)]
+        assert sum(o.cached_tokens for o in runs[1]) > 0, "the second round should hit the cache"
+        llm.check_integrity()
+        return [[o.token_ids for o in run] for run in runs]
+    assert rounds(kernels=True) == rounds(kernels=False)
