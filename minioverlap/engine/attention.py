@@ -178,8 +178,9 @@ def ragged_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     One masked attention for the batch: q scattered into [B, M] and K, V into [B, N], padded to
     M = max_extend and N = max_kv; query i of request b (position prefix_b + i) sees key j when j <= prefix_b + i
     and j < its length. What it costs: the padding, B*N slots of K and V (as decode pads to the longest
-    sequence) and B*Hq*M*N fp32 scores, where the loop over requests held one request's n_b*N at a time;
-    a batch of one long prompt and several short ones pays for B long ones. The kernel
+    sequence), a [B, M, N] mask, and where SDPA computes in full (a CPU's math path) B*Hq*M*N fp32 scores,
+    where the loop over requests held one request's Hq*n_b*N at a time; a batch of one long prompt and
+    several short ones pays for B long ones. The kernel
     (minioverlap/kernels/extend_attention.py) pads nothing. A padded query row sees keys too, so no row
     is all -inf; its output is never read."""
     T, Hq, D = q.shape
