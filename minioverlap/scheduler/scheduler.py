@@ -23,7 +23,6 @@ from collections.abc import Iterator
 # >>> ch16: a server's requests arrive while the loop runs
 from collections.abc import Callable
 # <<< ch16
-from dataclasses import dataclass
 
 # >>> ch08: the guards
 from minioverlap.config import Guards

@@ -14,7 +14,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from minioverlap.engine.request import Req
-from minioverlap.server.messages import Abort, Accepted, Add, Failed, Integrity, Ready, Rejected, Report, Stop, Tokens
+from minioverlap.server.messages import Abort, Accepted, Add, Failed, Integrity, Ready, Rejected, Report, Stop
 
 
 class EngineGone(RuntimeError):
