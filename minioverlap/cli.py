@@ -73,6 +73,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     # >>> ch09: MTP drafts
     options |= mtp_options(args)
     # <<< ch09
+    # >>> ch18: the step's token budget, and mixed steps
+    if args.chunked_prefill_size is not None:
+        options["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.enable_mixed_chunk:
+        options["mixed_chunk"] = True
+    # <<< ch18
     return options
 # >>> ch09: MTP
 
@@ -267,6 +273,14 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--mtp", type=int, default=0, metavar="K",
                          help="drafts per step with the model's MTP layer (speculative decoding)")
     # <<< ch09
+    # >>> ch18: the step's token budget, and mixed steps
+    for cmd in sub.choices.values():
+        cmd.add_argument("--chunked-prefill-size", type=int, metavar="N",
+                         help="prompt tokens a step may run; a longer prompt is prefilled in chunks (default: 8192 "
+                              "on a GPU, 64 on a CPU; -1: every prompt whole; chapter 18)")
+        cmd.add_argument("--enable-mixed-chunk", action="store_true",
+                         help="a prefill step carries the running requests' decode rows too (chapter 18)")
+    # <<< ch18
     return top
 
 

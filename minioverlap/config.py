@@ -51,6 +51,10 @@ class EngineArgs:
     # >>> ch17: the prefix cache
     prefix_cache: bool = True                 # False: every prompt is prefilled from scratch
     # <<< ch17
+    # >>> ch18: chunked prefill and mixed steps
+    chunked_prefill_size: int | None = None   # prompt tokens a step may run; None: the device's (below); -1: no budget
+    mixed_chunk: bool = False                 # True: a prefill step carries the running requests' decode rows
+    # <<< ch18
 
     def __post_init__(self) -> None:
         """Check every option as it is given, each chapter's by its own rules (CHECKS, at the end of
@@ -155,6 +159,35 @@ def use_kernels(args: EngineArgs) -> bool:
     return args.kernels if args.kernels is not None else str(args.device).startswith("cuda")
 # <<< ch15
 
+# >>> ch18: chunked prefill and mixed steps
+
+GPU_CHUNK = 8192     # SGLang's on an H100 or H200: a step of that many tokens keeps the GPU compute-bound
+CPU_CHUNK = 64       # a CPU's step grows with every token: 64 of the tiny model's cost about a decode step of 16
+
+
+def check_chunking(args: EngineArgs) -> None:
+    """chunked_prefill_size: None, -1 or an integer >= 1; mixed_chunk: not with MTP (chapter 18 says why)."""
+    if args.chunked_prefill_size is not None:
+        size = _integer("chunked_prefill_size", args.chunked_prefill_size, "an integer >= 1, or -1 (every prompt whole)",
+                        lambda n: n >= 1 or n == -1)
+        object.__setattr__(args, "chunked_prefill_size", size)
+    if chunk_size(args) is not None and not args.resolved_guards().prompt_on_forward_stream:
+        raise ValueError("chunked prefill needs Guards(prompt_on_forward_stream=True): a chunk's step writes its "
+                         "sampled token over the next chunk's first prompt token, which the next step must write again; "
+                         "pass chunked_prefill_size=-1 to show chapter 08's race")
+    if args.mixed_chunk and args.mtp_steps:
+        raise ValueError(f"mixed_chunk=True with mtp_steps={args.mtp_steps}: a verify step runs a window of "
+                         f"{args.mtp_steps + 1} tokens per request and its drafter's passes, a prefill one pass; "
+                         "they do not mix (nor in SGLang): pass one of them")
+
+
+def chunk_size(args: EngineArgs) -> int | None:
+    """The step's budget of prompt tokens (None: no budget)."""
+    if args.chunked_prefill_size is None:
+        return GPU_CHUNK if str(args.device).startswith("cuda") else CPU_CHUNK
+    return None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
+# <<< ch18
+
 
 CHECKS = [
     check_bools,
@@ -173,4 +206,7 @@ CHECKS = [
     # >>> ch15: the fast path
     check_kernels,
     # <<< ch15
+    # >>> ch18: chunked prefill and mixed steps
+    check_chunking,
+    # <<< ch18
 ]

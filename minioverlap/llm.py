@@ -46,13 +46,17 @@ from minioverlap.model.mtp import MTPLayer, load_mtp
 from minioverlap.config import use_kernels
 from minioverlap.engine.backend import backend
 # <<< ch15
+# >>> ch18: chunked prefill
+from minioverlap.config import chunk_size
+# <<< ch18
 
 class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
 
     def __init__(self, model: str = "tiny", **options) -> None:
         """Load the checkpoint and build the engine: the runner (the model, the page pool, the tables), from
-        chapter 13 its graphs, from chapter 17 its prefix cache, and the scheduler. `options` are the fields
+        chapter 13 its graphs, from chapter 17 its prefix cache, and the scheduler (from chapter 18 with the
+        step's budget of prompt tokens). `options` are the fields
         of EngineArgs (minioverlap/config.py), each with its default there and the chapter that adds it."""
         self.args = _engine_args(model, options)
         self.model_dir = resolve_model_dir(model)
@@ -90,6 +94,10 @@ class LLM:
         # >>> ch04: the scheduler
         self.scheduler = Scheduler(self.runner)
         # <<< ch04
+        # >>> ch18: the step's budget of prompt tokens, and mixed steps
+        self.scheduler.chunked_prefill_size = chunk_size(self.args)
+        self.scheduler.mixed_chunk = self.args.mixed_chunk
+        # <<< ch18
     # >>> ch02: the paged cache
 
     def make_runner(self) -> ModelRunner:

@@ -51,6 +51,9 @@ class Batch(Protocol):
 
     def ends(self) -> list[int]: ...
     # <<< ch15
+    # >>> ch18: a mixed step's prompt rows
+    def prompt_cells(self) -> list[tuple[int, int]]: ...
+    # <<< ch18
 
 
 class ReqToTokenPool:
@@ -189,8 +192,13 @@ class ReqToTokenPool:
 
     def write_prompts(self, batch: Batch) -> None:
         """A prefill's prompt tokens, at the positions it runs."""
-        self.token_pool[batch.token_rows, batch.positions] = batch.prompt_tokens
-        self.record("token_pool", batch.new_cells, "write", "the prefill writes its prompt")
+        # >>> ch18 replaces ch08: a mixed step's prompt tokens are its first (its decode rows follow them)
+        #| self.token_pool[batch.token_rows, batch.positions] = batch.prompt_tokens
+        #| self.record("token_pool", batch.new_cells, "write", "the prefill writes its prompt")
+        n = len(batch.prompt_tokens)
+        self.token_pool[batch.token_rows[:n], batch.positions[:n]] = batch.prompt_tokens
+        self.record("token_pool", batch.prompt_cells, "write", "the prefill writes its prompt")
+        # <<< ch18
 
     def record(self, name: str, cells: Callable[[], list[tuple[int, int]]], kind: str, site: str) -> None:
         """Tell the checker, if there is one, that the current stream read or wrote the cells that `cells()`

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 KINDS = ("receive", "hit", "schedule", "launch", "wait", "process", "reply")
 # <<< ch17
 # <<< ch16
+# >>> ch18: and the requests whose rows in a step are a chunk of their prompt (more of it follows)
+KINDS += ("chunk",)
+# <<< ch18
 
 
 @dataclass(frozen=True)

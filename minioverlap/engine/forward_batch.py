@@ -99,6 +99,29 @@ class ForwardBatch:
         """Each request's position seq_len: where the sampler writes its next input token."""
         return [(row, p + n) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens)]
     # <<< ch08
+    # >>> ch17: what a handled prefill computed, for the prefix cache
+
+    def prompt_rows(self) -> list[tuple[Req, int]]:
+        """(request, end) of each request whose rows ran prompt tokens: its K and V are computed up to end."""
+        return [(r, p + n) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < len(r.prompt_ids)]
+    # <<< ch17
+    # >>> ch18: chunked prefill
+
+    def chunks(self) -> list[bool]:
+        """Whether each request's rows end inside its prompt: a chunk, whose prompt goes on in a later step.
+        The token sampled after a chunk means nothing: it is no reply, and the next chunk, which writes its
+        own prompt tokens first (chapter 08), overwrites it in token_pool."""
+        return [p + n < len(r.prompt_ids) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens)]
+
+    def is_chunk(self, req: Req) -> bool:
+        return self.chunks()[self.reqs.index(req)]
+
+    def prompt_cells(self) -> list[tuple[int, int]]:
+        """The positions whose input is a prompt token, which the step writes itself (a mixed step's decode
+        rows read the token the step before sampled)."""
+        return [(r.row, i) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < len(r.prompt_ids)
+                for i in range(p, p + n)]
+    # <<< ch18
     # >>> ch09: MTP: a verify step's window in token_pool
 
     def window_cells(self, start: int, end: int) -> list[tuple[int, int]]:
@@ -132,10 +155,15 @@ def build_batch(mode: ForwardMode, reqs: list[Req], allocator: PageAllocator, ta
     """Allocate KV for each request's new tokens and lay the batch out.
 
     EXTEND runs the rest of each prompt; DECODE runs each request's newest token, whose K/V are not
-    cached yet. Either way a request's new tokens are its positions prefix_len .. seq_len-1.
+    cached yet. Either way a request's new tokens are its positions prefix_len .. seq_len-1. From chapter
+    18 a prompt runs the chunk the scheduler gave it, and a mixed step's decode rows (EXTEND steps too)
+    one token each, after the prompts.
     """
     prefix_lens = [r.seq_len for r in reqs]
-    extend_lens = [len(r.prompt_ids) - r.seq_len if mode is ForwardMode.EXTEND else 1 for r in reqs]
+    # >>> ch18 replaces ch02: a prompt runs the chunk the scheduler gave it; a decode row (from chapter 18 in a mixed step too) one token
+    #| extend_lens = [len(r.prompt_ids) - r.seq_len if mode is ForwardMode.EXTEND else 1 for r in reqs]
+    extend_lens = [r.chunk_len() if r.prefilling else 1 for r in reqs]
+    # <<< ch18
     # >>> ch15 replaces ch02: allocate_kv no longer writes req_to_token (write_new_slots, below)
     #| loc = [slot for r, n in zip(reqs, extend_lens) for slot in allocate_kv(r, n, allocator, tables)]
     loc = [slot for r, n in zip(reqs, extend_lens) for slot in allocate_kv(r, n, allocator)]
@@ -180,7 +208,10 @@ def index_tensors(lists: dict[str, list[int]], device: str | torch.device) -> di
 
 def prompt_tokens(mode: ForwardMode, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int],
                   device: str | torch.device) -> torch.Tensor | None:
-    """A prefill's prompt tokens [T], which it writes into token_pool itself; None for a decode step."""
+    """A prefill's prompt tokens [T], which it writes into token_pool itself; None for a decode step. From
+    chapter 18 a mixed step's are those of its prefill rows, laid out first: a decode row's input is the
+    token the step before sampled, on the device (05); in the overlap loop the host has not received it
+    yet (SGLang #2158)."""
     if mode is not ForwardMode.EXTEND:
         return None
     return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.prompt_ids[start:start + n]],

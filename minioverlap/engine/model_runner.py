@@ -345,15 +345,16 @@ class ModelRunner:
         req.pages = pages
         req.cached_len = req.cached_tokens = req.seq_len = len(pages) * self.allocator.page_size
 
-    def cache_req(self, req: Req) -> None:
-        """Insert the tokens whose K and V handled steps computed (all but its newest token, whose K and V
-        the next step computes) in whole pages. Pages the tree already held replace its own copies,
-        which go back (its row is rewritten: a write of a shared table, after the fence). It then locks
-        the node where they end instead of the one it held."""
+    def cache_req(self, req: Req, end: int | None = None) -> None:
+        """Insert the tokens whose K and V handled steps computed in whole pages: its first `end` (what a
+        handled prefill computed), or all but its newest token, whose K and V the next step computes.
+        Pages the tree already held replace its own copies, which go back (its row is rewritten: a write
+        of a shared table, after the fence). It then locks the node where they end instead of the one it
+        held."""
         if self.tree is None:
             return
         size = self.allocator.page_size
-        key = self.cache_key(req.prompt_ids + req.output_ids)
+        key = self.cache_key(req.prompt_ids + req.output_ids)[:end]
         n = len(key) // size
         held, pages, node = self.tree.insert(key[:n * size], req.pages[:n])
         start = req.cached_len // size

@@ -36,6 +36,9 @@ class Req:
     last_node: Node | None = None       # the tree node where they end, locked while it runs
     cached_tokens: int = 0              # prompt tokens served from the cache at admission
     # <<< ch17
+    # >>> ch18: chunked prefill
+    extend_input_len: int | None = None   # prompt tokens its next prefill step runs (its chunk); None: the rest
+    # <<< ch18
     # >>> ch03: per-request sampling
     generator: torch.Generator | None = None   # its own random stream when params.seed is set
     # <<< ch03
@@ -74,6 +77,22 @@ class Req:
     @property
     def can_decode(self) -> bool:
         """Whether another step may be launched for it, judged by the CPU's count of its length (seq_len),
-        not by the tokens received: in the overlap loop those lag one step behind the steps launched."""
-        return self.seq_len - len(self.prompt_ids) + 1 < self.max_new_tokens
+        not by the tokens received: in the overlap loop those lag one step behind the steps launched.
+        From chapter 18 a request whose prompt is not all laid out (chunked) takes no decode step yet."""
+        # >>> ch18 replaces ch04: its prompt laid out first
+        #| return self.seq_len - len(self.prompt_ids) + 1 < self.max_new_tokens
+        return not self.prefilling and self.seq_len - len(self.prompt_ids) + 1 < self.max_new_tokens
+        # <<< ch18
     # <<< ch04
+    # >>> ch18: chunked prefill
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether some of its prompt is not laid out in a step yet (once admitted: between its chunks)."""
+        return self.seq_len < len(self.prompt_ids)
+
+    def chunk_len(self) -> int:
+        """The prompt tokens its next prefill step runs: the chunk the scheduler gave it, or the rest."""
+        rest = len(self.prompt_ids) - self.seq_len
+        return rest if self.extend_input_len is None else self.extend_input_len
+    # <<< ch18

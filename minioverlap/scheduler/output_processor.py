@@ -15,9 +15,6 @@ from dataclasses import dataclass
 
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
-# >>> ch17: a handled prefill joins the prefix cache
-from minioverlap.engine.forward_batch import ForwardMode
-# <<< ch17
 # >>> ch16: logprobs
 from minioverlap.engine.logprobs import TokenLogprob
 # <<< ch16
@@ -57,10 +54,9 @@ class OutputProcessorMixin:
         # <<< ch16
         # >>> ch17: a handled prefill's requests join the prefix cache
         # (not one it ended, cached as it was freed, nor one aborted while it ran, dropped whole)
-        if out.batch.mode is ForwardMode.EXTEND:
-            for req in out.batch.reqs:
-                if not req.finished:
-                    self.runner.cache_req(req)
+        for req, end in out.batch.prompt_rows():
+            if not req.finished:
+                self.runner.cache_req(req, end)
         # <<< ch17
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
         replies = [r for r in replies if r is not None]
@@ -73,11 +69,16 @@ class OutputProcessorMixin:
         """A request's tokens of one step, on the host (StepOutput.token_lists: its window, cut to its
         accept length): a window of one, until chapter 09's speculative steps give several. From
         chapter 07 a request whose step failed for it alone ends here, with its error; from chapter 09
-        every window goes to handle_window, a plain step's window of one too."""
+        every window goes to handle_window, a plain step's window of one too. From chapter 18 a chunk of a
+        prompt makes no reply: the prompt goes on in a later step, and the token sampled after it means nothing."""
         # >>> ch07: its step failed for it alone: it ends here, with its error
         if req.error is not None and not req.finished:
             return self.fail(req)
         # <<< ch07
+        # >>> ch18: a chunk: its prompt goes on in a later step; the token sampled after it is no reply
+        if out.batch.is_chunk(req):
+            return None
+        # <<< ch18
         # >>> ch09 replaces ch04: a window of tokens, handled one by one
         #| return self.handle(req, tokens[0])
         return self.handle_window(req, tokens, out)

@@ -33,6 +33,9 @@ from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
 from minioverlap.scheduler.output_processor import OutputProcessorMixin, Reply
+# >>> ch18: a step's budget of prompt tokens
+from minioverlap.scheduler.budget import TokenBudget
+# <<< ch18
 
 
 # >>> ch16: a server's run lasts as long as its busy period, for ever under load: its trace keeps the last events
@@ -66,6 +69,10 @@ class Scheduler(OutputProcessorMixin):
         # >>> ch08: the guards of the shared tables, the runner's (chapter 08 says which orders which write)
         self.guards: Guards = runner.guards
         # <<< ch08
+        # >>> ch18: the prompt tokens a step may run (None: every prompt whole), and mixed steps (the LLM's options)
+        self.chunked_prefill_size: int | None = None
+        self.mixed_chunk = False
+        # <<< ch18
 
     # ---- the client's side: messages into the inbox
     def check_fits_pool(self, req: Req) -> None:
@@ -191,16 +198,27 @@ class Scheduler(OutputProcessorMixin):
         return replies
 
     def schedule(self) -> ForwardBatch | None:
-        """Prefill newly admitted requests if any fit, else decode every running request."""
+        """Prefill newly admitted requests if any fit, else decode every running request. From chapter 18
+        the prompts of a step share a budget of tokens: the next chunk of a prompt begun goes first, then
+        the waiting requests that fit, each with its first chunk; with mixed_chunk a prefill step carries
+        the decode rows too, one token each, in the same budget."""
         # >>> ch08: the checker names the step in its reports
         self.runner.name_step(self.step + 1)
         # <<< ch08
-        new = self.admit()
+        # >>> ch18 replaces ch04: within the step's budget: the next chunk of a prompt begun, then new requests
+        #| new = self.admit()
+        budget = self.token_budget()
+        chunks = self.next_chunks(budget)
+        new = self.admit(budget)
+        # <<< ch18
         # >>> ch06 replaces ch04: only requests that may take another step (the CPU counts what it launched)
         #| decode = list(self.running)
         decode = [r for r in self.running if r.can_decode]
         # <<< ch06
-        mode, reqs = (ForwardMode.EXTEND, new) if new else (ForwardMode.DECODE, decode)
+        # >>> ch18 replaces ch04: chunks too; with mixed_chunk, one step for the prompts and the decode rows
+        #| mode, reqs = (ForwardMode.EXTEND, new) if new else (ForwardMode.DECODE, decode)
+        mode, reqs = self.step_kind(chunks + new, decode)
+        # <<< ch18
         if not reqs:
             self.check_stalled()
             return None
@@ -212,6 +230,31 @@ class Scheduler(OutputProcessorMixin):
         # <<< ch17
         self.trace.record("schedule", self.step, [r.uid for r in reqs])
         return batch
+
+    # >>> ch18: chunked prefill and mixed steps
+
+    def token_budget(self) -> TokenBudget:
+        """The step's budget of prompt tokens: chunked_prefill_size, less a mixed step's decode rows."""
+        decode_rows = sum(r.can_decode for r in self.running) if self.mixed_chunk else 0
+        return TokenBudget(self.chunked_prefill_size, decode_rows)
+
+    def next_chunks(self, budget: TokenBudget) -> list[Req]:
+        """Running requests whose prompts are partly prefilled (chunked), each given its next chunk."""
+        chunks = []
+        for req in self.running:
+            if req.prefilling and not budget.spent:
+                budget.take(req)
+                chunks.append(req)
+        return chunks
+
+    def step_kind(self, prefill: list[Req], decode: list[Req]) -> tuple[ForwardMode, list[Req]]:
+        """A prefill step if any prompt runs, else a decode step. With mixed_chunk a prefill step carries the
+        decode rows too, after the prompts (the step writes its prompt tokens, the first): one-token extends,
+        as SGLang's mix_with_running makes them (its ForwardMode.MIXED)."""
+        if prefill and self.mixed_chunk:
+            return ForwardMode.EXTEND, prefill + decode
+        return (ForwardMode.EXTEND, prefill) if prefill else (ForwardMode.DECODE, decode)
+    # <<< ch18
 
     def check_stalled(self) -> None:
         """Nothing could be scheduled. If nothing is running either (and, from chapter 06, no step is in
@@ -237,6 +280,10 @@ class Scheduler(OutputProcessorMixin):
             self.runner.fence(out)
         # <<< exercise 08.1
         # <<< ch08
+        # >>> ch18: the requests whose rows are a chunk of their prompt: no reply follows for them
+        if chunked := [r.uid for r, chunk in zip(batch.reqs, batch.chunks()) if chunk]:
+            self.trace.record("chunk", self.step, chunked)
+        # <<< ch18
         self.trace.record("launch", self.step, [r.uid for r in batch.reqs])
         return out
 
@@ -245,20 +292,32 @@ class Scheduler(OutputProcessorMixin):
         self.trace.record("wait", out.step, [r.uid for r in out.batch.reqs])
 
     # ---- admission, abort, frees
-    def admit(self) -> list[Req]:
-        """Admit waiting requests, in order, while a slot is free and the pages cover them."""
+    def admit(self,
+              # >>> ch18: the step's budget of prompt tokens
+              budget: TokenBudget,
+              # <<< ch18
+              ) -> list[Req]:
+        """Admit waiting requests, in order, while a slot is free and the pages cover them (from chapter 18
+        while the budget lasts: each takes its first chunk)."""
         new = []
         # >>> ch17 replaces ch04: its cached prefix first: pages it will not allocate
         #| while self.waiting and self.fits(self.waiting[0]):
         #|     req = self.waiting.popleft()
         while self.waiting:
             req = self.waiting[0]
+            # >>> ch18: while the budget lasts
+            if budget.spent:
+                break
+            # <<< ch18
             self.runner.match_prefix(req)
             if not self.fits(req):
                 self.runner.release(req)          # its prefix unlocked again: it waits
                 break
             self.waiting.popleft()
         # <<< ch17
+            # >>> ch18: its first chunk
+            budget.take(req)
+            # <<< ch18
             self.runner.admit(req)
             self.running.append(req)
             new.append(req)

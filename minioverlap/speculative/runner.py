@@ -53,6 +53,9 @@ from minioverlap.speculative.graphs import SpecGraphs
 # >>> ch16: logprobs, computed with the sample
 from minioverlap.engine.logprobs import step_logprobs
 # <<< ch16
+# >>> ch18: a chunk's next prompt token
+from minioverlap.device.transfer import to_device
+# <<< ch18
 
 
 class SpecRunner(ModelRunner):
@@ -121,6 +124,12 @@ class SpecRunner(ModelRunner):
         # <<< ch10
         next_ids = input_ids.roll(-1)                        # row p reads token p+1 ...
         next_ids[batch.last_index] = bonus                   # ... and the last row the bonus token
+        # >>> ch18: ... unless its rows are a chunk: then its prompt's next token, which the host knows
+        if any(batch.chunks()):
+            after = to_device([r.prompt_ids[e] if e < len(r.prompt_ids) else -1 for r, e in zip(batch.reqs, batch.ends())],
+                              torch.int64, self.device)
+            next_ids[batch.last_index] = torch.where(after >= 0, after, bonus)
+        # <<< ch18
         # >>> ch12 fix read-done-after-draft-extend replaces ch09: the draft extend's event
         #| self.draft_extend(batch, next_ids, hidden, batch.last_index, self, read_done)
         read_done = self.draft_extend(batch, next_ids, hidden, batch.last_index, self)
