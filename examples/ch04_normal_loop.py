@@ -8,8 +8,10 @@ from __future__ import annotations
 from minioverlap import LLM, SamplingParams
 from minioverlap.config import EngineArgs
 
-# From chapter 06 on LLM has a second loop, the default from chapter 07: ask for this chapter's by name.
+# From chapter 06 on LLM has a second loop, the default from chapter 07: ask for this chapter's by name;
+# and from chapter 18 a budget of prompt tokens per step: ask for whole prompts.
 normal = {"overlap": False} if "overlap" in EngineArgs.__dataclass_fields__ else {}
+normal |= {"chunked_prefill_size": -1} if "chunked_prefill_size" in EngineArgs.__dataclass_fields__ else {}
 llm = LLM(model="tiny", **normal)
 llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=3, ignore_eos=True))
 print("one request, three tokens:")

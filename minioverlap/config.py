@@ -171,10 +171,10 @@ def check_chunking(args: EngineArgs) -> None:
         size = _integer("chunked_prefill_size", args.chunked_prefill_size, "an integer >= 1, or -1 (every prompt whole)",
                         lambda n: n >= 1 or n == -1)
         object.__setattr__(args, "chunked_prefill_size", size)
-    if chunk_size(args) is not None and not args.resolved_guards().prompt_on_forward_stream:
-        raise ValueError("chunked prefill needs Guards(prompt_on_forward_stream=True): a chunk's step writes its "
-                         "sampled token over the next chunk's first prompt token, which the next step must write again; "
-                         "pass chunked_prefill_size=-1 to show chapter 08's race")
+    if args.chunked_prefill_size not in (None, -1) and not args.resolved_guards().prompt_on_forward_stream:
+        raise ValueError(f"chunked_prefill_size={args.chunked_prefill_size} needs Guards(prompt_on_forward_stream=True): "
+                         "a chunk's step writes its sampled token over the next chunk's first prompt token, which "
+                         "the next step must write again (with the prompt written at admission, nothing would)")
     if args.mixed_chunk and args.mtp_steps:
         raise ValueError(f"mixed_chunk=True with mtp_steps={args.mtp_steps}: a verify step runs a window of "
                          f"{args.mtp_steps + 1} tokens per request and its drafter's passes, a prefill one pass; "
@@ -182,7 +182,10 @@ def check_chunking(args: EngineArgs) -> None:
 
 
 def chunk_size(args: EngineArgs) -> int | None:
-    """The step's budget of prompt tokens (None: no budget)."""
+    """The step's budget of prompt tokens (None: no budget). By default the device's; none where chapter 08's
+    demonstration writes the prompt at admission (a chunk's sampled token would overwrite the next chunk's)."""
+    if args.chunked_prefill_size is None and not args.resolved_guards().prompt_on_forward_stream:
+        return None
     if args.chunked_prefill_size is None:
         return GPU_CHUNK if str(args.device).startswith("cuda") else CPU_CHUNK
     return None if args.chunked_prefill_size == -1 else args.chunked_prefill_size

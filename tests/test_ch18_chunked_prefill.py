@@ -217,6 +217,8 @@ def test_the_budget_defaults_to_the_devices_and_minus_one_turns_it_off():
     assert LLM().scheduler.chunked_prefill_size == 64
     assert LLM(chunked_prefill_size=-1).scheduler.chunked_prefill_size is None
     assert LLM(chunked_prefill_size=7).scheduler.chunked_prefill_size == 7
+    assert LLM(guards=Guards(prompt_on_forward_stream=False)).scheduler.chunked_prefill_size is None, \
+        "with chapter 08's prompt written at admission the default is whole prompts"
 
 
 @pytest.mark.parametrize("options,message", [
@@ -225,7 +227,8 @@ def test_the_budget_defaults_to_the_devices_and_minus_one_turns_it_off():
     ({"chunked_prefill_size": 7.5}, "chunked_prefill_size must be an integer"),
     ({"mixed_chunk": 1}, "mixed_chunk must be True or False, got 1"),
     ({"mixed_chunk": True, "mtp_steps": 3}, "mixed_chunk=True with mtp_steps=3: a verify step runs a window of 4 tokens"),
-    ({"guards": Guards(prompt_on_forward_stream=False)}, r"chunked prefill needs Guards\(prompt_on_forward_stream=True\)"),
+    ({"chunked_prefill_size": 16, "guards": Guards(prompt_on_forward_stream=False)},
+     r"chunked_prefill_size=16 needs Guards\(prompt_on_forward_stream=True\)"),
 ])
 def test_a_bad_option_is_refused_with_its_name_value_and_limit(options, message):
     with pytest.raises(ValueError, match=message):

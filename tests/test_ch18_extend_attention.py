@@ -172,7 +172,8 @@ def prefill_counts(monkeypatch, kernels: bool, prompts: list[list[int]]) -> tupl
         return extend_attention(*args, **kwargs)
     monkeypatch.setattr(ModelRunner, "forward", counted_forward)
     monkeypatch.setattr(triton_attention, "extend_attention", counted_kernel)
-    LLM(model="tiny", kernels=kernels, overlap=False, page_size=4).generate(prompts, SamplingParams(max_tokens=1))
+    LLM(model="tiny", kernels=kernels, overlap=False, page_size=4, chunked_prefill_size=-1).generate(
+        prompts, SamplingParams(max_tokens=1))
     assert len(steps) == 1, f"the prompts should be one prefill step, not {len(steps)}"
     return steps[0][0], steps[0][1], len(launches)
 
