@@ -241,3 +241,15 @@ def test_the_command_line_passes_the_budget_and_mixing():
                                                         "mixed_chunk": True}
     args = parser().parse_args(["generate", "hello", "--chunked-prefill-size", "-1"])
     assert engine_options(args)["chunked_prefill_size"] == -1
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_the_fast_path_runs_chunks_and_mixed_steps_as_the_reference_does(overlap):
+    """On the fast path (its kernels in Triton's interpreter without a GPU) a mixed step is one extend
+    kernel a layer over the chunks and the one-token decode rows: the reference path's tokens."""
+    pytest.importorskip("triton")
+    llm = LLM(page_size=4, overlap=overlap, chunked_prefill_size=7, mixed_chunk=True, kernels=True, hazard_check=True)
+    outs = llm.generate(prompts(), PARAMS)
+    reference = LLM(page_size=4, overlap=False, chunked_prefill_size=-1, prefix_cache=False).generate(prompts(), PARAMS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    llm.check_integrity()
