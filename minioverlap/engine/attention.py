@@ -151,6 +151,7 @@ def extend_indices(prefix_lens: list[int], extend_lens: list[int], page_table: t
     """The ragged layout from the batch's host lists and the step's page table [B, L] (its rows of
     req_to_token): the index pointers from the host's sizes in one copy, the slot list gathered from the
     page table on the device, without a loop over requests and without reading anything back."""
+    # >>> exercise 18.2: the ragged index pointers
     kv_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
     ptr = to_device_together({"qo": cumulative(extend_lens), "kv": cumulative(kv_lens), "lens": kv_lens},
                              torch.int64, page_table.device)
@@ -160,6 +161,7 @@ def extend_indices(prefix_lens: list[int], extend_lens: list[int], page_table: t
     kv_pos = torch.arange(total, device=page_table.device) - ptr["kv"][kv_batch]
     return ExtendIndices(ptr["qo"], ptr["kv"], page_table[kv_batch, kv_pos], kv_batch, kv_pos,
                          max(extend_lens), max(kv_lens))
+    # <<< exercise 18.2
 
 
 def cumulative(lens: list[int]) -> list[int]:
