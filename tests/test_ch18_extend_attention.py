@@ -183,11 +183,47 @@ def test_a_prefill_step_s_attention_launches_do_not_depend_on_its_requests(monke
     """One prompt or five, one long and four short: the same operators in every layer's attention (the
     loop over requests called a dozen per request), and on the fast path one extend kernel a layer."""
     one = prefill_counts(monkeypatch, kernels, [list(range(10, 50))])
-    five = prefill_counts(monkeypatch, kernels, [list(range(10, 50)), [3, 4], [5] * 9, list(range(60, 77)), [8]])
+    five = prefill_counts(monkeypatch, kernels, [list(range(10, 50)), [3, 4], [5] * 9, list(range(60, 77)), [8, 9]])
     layers = 6                                                          # the tiny model's
     assert (one[0], five[0]) == (1, 5)
     assert one[1] == five[1], f"attention ops: {one[1]} for one request, {five[1]} for five"
     assert one[2] == five[2] == (layers if kernels else 0)
+
+
+def mixed_step_ops(monkeypatch, streams: int) -> list[tuple[int, int]]:
+    """`streams` requests decode; a 30-token prompt arrives and runs in chunks of 8 mixed with their decode
+    rows -> (requests, attention operators over every layer) of each step that has both kinds of rows."""
+    seen = []
+    forward = ModelRunner.forward
+
+    def counted_forward(self, batch, input_ids, ctx):
+        attend, counter = ctx.attend, CountOps()
+
+        def counted_attend(*args):
+            with counter:
+                return attend(*args)
+        ctx.attend = counted_attend
+        out = forward(self, batch, input_ids, ctx)
+        if batch.mode is ForwardMode.EXTEND and 1 in batch.extend_lens and max(batch.extend_lens) > 1:
+            seen.append((len(batch.reqs), counter.ops))
+        return out
+    monkeypatch.setattr(ModelRunner, "forward", counted_forward)
+    llm = LLM(model="tiny", kernels=False, overlap=False, chunked_prefill_size=8 + streams, mixed_chunk=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for reply in llm.stream([[5 + i, 6] for i in range(streams)], params):
+        if reply.uid == 0 and len(llm.scheduler.running) == streams and llm.next_uid == streams:
+            llm.add_request(list(range(200, 230)), params)
+    monkeypatch.undo()
+    return seen
+
+
+def test_a_mixed_step_s_attention_is_two_calls_however_many_decode_rows(monkeypatch):
+    """A mixed step's prompt rows in one ragged call and its one-token decode rows in one decode call: the
+    same operators with 2 decode rows as with 6 (each padded into the ragged call would cost a chunk's)."""
+    two, six = mixed_step_ops(monkeypatch, 2), mixed_step_ops(monkeypatch, 6)
+    assert two and six, "no step mixed a chunk with decode rows"
+    assert {reqs for reqs, _ in two} == {3} and {reqs for reqs, _ in six} == {7}
+    assert {ops for _, ops in two} == {ops for _, ops in six}, (two, six)
 
 
 # ---- the engine

@@ -83,8 +83,24 @@ class PagedAttention:
         return extend_indices(self.batch.prefix_lens, self.batch.extend_lens, self.page_table)
 
     def extend_attention(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
-        """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1, all requests in one call."""
-        return ragged_extend_attention(q, self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.extend)
+        """Ragged prefill: request i's queries see its own tokens 0 .. seq_len-1. The requests with several
+        new tokens in one masked attention; those with one (a mixed step's decode rows, a chunk of one) in
+        one decode attention: padded to the longest request's new tokens, each would cost a long prompt's
+        share of the padded call, and a mixed step would cost a prefill per running request."""
+        k, v, rows = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.rows
+        if rows.one is None:
+            return ragged_extend_attention(q, k, v, self.extend)
+        out = torch.empty_like(q)
+        if rows.many is not None:
+            out[rows.many_tokens] = ragged_extend_attention(q[rows.many_tokens], k, v, rows.many)
+        out[rows.one_tokens] = decode_attention(q[rows.one_tokens], k, v, self.page_table[rows.one],
+                                                self.batch.seq_lens[rows.one])
+        return out
+
+    @cached_property
+    def rows(self) -> RowSplit:
+        """The step's requests of one new token and of several, built by the first layer, on the host."""
+        return row_split(self.batch.prefix_lens, self.batch.extend_lens, self.page_table)
     # <<< ch18
 
 
@@ -162,6 +178,30 @@ def extend_indices(prefix_lens: list[int], extend_lens: list[int], page_table: t
     return ExtendIndices(ptr["qo"], ptr["kv"], page_table[kv_batch, kv_pos], kv_batch, kv_pos,
                          max(extend_lens), max(kv_lens))
     # <<< exercise 18.2
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """A prefill step's requests of one new token (`one`: their indices in the batch, `one_tokens`: their
+    token's) and of several (`many`: their ragged layout, `many_tokens`: their tokens); None where none."""
+    one: torch.Tensor | None
+    one_tokens: torch.Tensor | None
+    many: ExtendIndices | None
+    many_tokens: torch.Tensor | None
+
+
+def row_split(prefix_lens: list[int], extend_lens: list[int], page_table: torch.Tensor) -> RowSplit:
+    """Split the step's requests by their new tokens, one or several: index lists made on the host (the
+    sizes are the host's) and copied in one go."""
+    starts = cumulative(extend_lens)
+    one = [i for i, n in enumerate(extend_lens) if n == 1]
+    many = [i for i, n in enumerate(extend_lens) if n > 1]
+    ix = to_device_together({"one": one, "one_tokens": [starts[i] for i in one], "many": many,
+                             "many_tokens": [t for i in many for t in range(starts[i], starts[i + 1])]},
+                            torch.int64, page_table.device)
+    layout = extend_indices([prefix_lens[i] for i in many], [extend_lens[i] for i in many],
+                            page_table[ix["many"]]) if many else None
+    return RowSplit(ix["one"] if one else None, ix["one_tokens"], layout, ix["many_tokens"])
 
 
 def cumulative(lens: list[int]) -> list[int]:
