@@ -6,22 +6,30 @@
     python tools/bench_serving.py --configs normal,overlap --num-requests 24 --request-rate 8 --json /tmp/bs.json
     python tools/bench_serving.py --compare-ttft --configs normal,overlap,overlap+ftf --num-requests 10
     python tools/bench_serving.py --shape 8b --device cuda --configs overlap,overlap+ftf --request-rate 16
+    python tools/bench_serving.py --dataset long-among-short --configs overlap,overlap+chunk64,overlap+chunk64+mixed
     python tools/bench_serving.py --url http://127.0.0.1:8000          # a server that is running already
     python tools/bench_serving.py --report /tmp/bs.json                # no run: the table of a recorded one
 
 Each configuration of --configs is a server of its own: `normal`, `overlap`, `normal+mtp2`, `overlap+ftf`,
-`overlap+mtp2+ftf`, `overlap+cache`, `overlap+mtp2+ftf+cache` mean `minioverlap serve --loop L [--mtp K]
-[--first-tokens-first] --prefix-cache|--no-prefix-cache` (with --model, --device and --max-running), in
-that order of suffixes; `+ftf`, the overlap loop handling a prefill before it launches the next step so
-that the first token goes out sooner, is the overlap loop's alone (the normal loop handles every step
-before the next). Chapter 17's prefix cache is on only where the configuration asks for it with `+cache`:
-every other server is started with --no-prefix-cache (though the cache is serve's default), so that a
+`overlap+mtp2+ftf`, `overlap+cache`, `overlap+mtp2+ftf+cache`, `overlap+chunk64`, `overlap+chunk64+mixed`
+mean `minioverlap serve --loop L [--mtp K] [--first-tokens-first] --prefix-cache|--no-prefix-cache
+--chunked-prefill-size N|-1 [--enable-mixed-chunk]` (with --model, --device and --max-running), in that
+order of suffixes; `+ftf`, the overlap loop handling a prefill before it launches the next step so that
+the first token goes out sooner, is the overlap loop's alone (the normal loop handles every step before
+the next). Chapter 17's prefix cache is on only where the configuration asks for it with `+cache`: every
+other server is started with --no-prefix-cache (though the cache is serve's default), so that a
 configuration means what it meant before chapter 17 and the runs recorded then (chapter 16's, set beside
-transformers, which computes every prompt) stay comparable. A server is started on a free port of
+transformers, which computes every prompt) stay comparable. Likewise chapter 18's chunked prefill: `+chunkN`
+gives a step a budget of N prompt tokens (--chunked-prefill-size N: a longer prompt is prefilled in chunks)
+and `+mixed` after it lets a chunk's step carry the running requests' decode rows (--enable-mixed-chunk;
+not with +mtpK, which the server refuses); every server without `+chunkN` is started with
+--chunked-prefill-size -1, every prompt whole (though serve's default is 64 on a CPU, 8192 on a GPU), so
+that the configurations recorded before chapter 18 keep their meaning. A server is started on a free port of
 127.0.0.1, waited for (GET /health), sent the workload, then checked (GET /integrity once it is idle:
 every page and slot free again), stopped with SIGTERM and required to exit with 0, leaving no process of
 its session behind. One configuration runs at a time, except with --compare-ttft. With --url the one
-server there is measured, with its own setting of the cache, and neither started nor stopped.
+server there is measured, with its own settings of the cache and of chunked prefill, and neither started
+nor stopped.
 
 The model is --model (default tiny, the shipped one), or with --shape 0.6b|8b a random-weight bf16 Qwen3
 checkpoint of that real shape: tools/bench.py's make_checkpoint, made once under --cache-dir and reused
@@ -51,6 +59,21 @@ for its output length with ignore_eos, greedy (temperature 0). --dataset (or SGL
     request (--warmup) is not the first request, as the random dataset's is, but one of the same lengths
     whose system prompt is no group's (random.Random("warmup SEED")): every group's prefix is cold when
     the timed requests start, and the first of each group to arrive computes it.
+  long-among-short (ours, for chapter 18): --las-streams short streaming requests, each a prompt of
+    --las-stream-input-len (words, or tokens without a tokenizer) asking for --las-stream-output-len tokens,
+    all sent at 0 s; and --las-long long prompts of --las-long-len tokens, each asking for
+    --las-long-output-len, the first sent at --las-start s and the others --las-interval s apart, while the
+    streams run. A long prompt is N token ids, or a passage of the book from a random word, cut at the last
+    whole word within N tokens as the model's tokenizer.json counts them (the server counts alike; drawn
+    again where that is fewer than N - 16, before a table's border of hundreds of tokens): a length near the
+    context must be in tokens, and the book's words average two tokens or more of the tiny model's. Its
+    prefill is the gap it opens in every stream: the table shows, in place of TPOT and latency, the ITL of
+    the streams alone (median, p99, the worst gap) and the long prompts' median TTFT. Its warm-up request is
+    a long prompt of its own (random.Random("warmup SEED")), so that the first big prefill is untimed too.
+    Its arrival times are its own: not with --request-rate or --compare-ttft. They are seconds, and the
+    defaults fit the tiny model on a CPU: on a faster device the streams must be longer, or the long prompts
+    closer, for them to come while the streams run (below the table, a warning for each run where one came
+    after the last stream had ended).
 
 The requests arrive as a Poisson process of --request-rate requests/s (exponential gaps), or all at once
 (`inf`). With --compare-ttft they are sent one at a time, each when the one before has finished, so every
@@ -81,14 +104,17 @@ cache where that ran too. Every figure is a time or a token count of the run, or
 Below the table, the host's load average before and after each run: on a shared machine it says how far
 to trust the run (another program's work lengthens every time).
 
---json FILE records the run in a form a chapter can quote: at the top "device", "model", "mode" ("rate
-R", "all at once" or "one at a time") and "results", one flat dict per configuration, in --configs'
-order: "config" (its name, as "overlap+ftf") and numbers, "req_s", "out_tok_s", "ttft_ms_mean",
-"ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99", "itl_ms_median", "itl_ms_p99",
-"e2e_ms_median", "tok_per_chunk", "hit_rate", "completed", "requests" and a few more (durations, token
-counts, "cached_tokens"); beside them "workload" (the dataset, its arguments, every request drawn, a
-shared-prefix one with its group, and that dataset's warm-up request) and "runs", per configuration its
-server (command, exit code, integrity report, load) and every request's raw numbers ("per_request").
+--json FILE records the run in a form a chapter can quote: at the top "device", "model", "mode" ("rate R",
+"all at once", "one at a time" or long-among-short's "streams at 0 s, long prompts from S s every I s") and
+"results", one flat dict per configuration, in --configs' order: "config" (its name, as "overlap+ftf") and
+numbers, "req_s", "out_tok_s", "ttft_ms_mean", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median",
+"tpot_ms_p99", "itl_ms_median", "itl_ms_p99", "e2e_ms_median", "tok_per_chunk", "hit_rate", "completed",
+"requests" and a few more (durations, token counts, "cached_tokens"; for long-among-short
+"stream_itl_ms_mean", "_median", "_p99", "_max" and "long_ttft_ms_mean", "_median", "_p99"); beside them
+"workload" (the dataset, its arguments, every request drawn, a shared-prefix one with its group, a
+long-among-short one with its role, "stream" or "long", and that dataset's warm-up request) and "runs", per
+configuration its server (command, exit code, integrity report, load) and every request's raw numbers
+("per_request").
 --report FILE prints the table from such a file again (a record made before chapter 17 has no hit rate).
 """
 
@@ -113,15 +139,23 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = re.compile(r"^(?P<loop>normal|overlap)(?:\+mtp(?P<mtp>[1-9]\d*))?(?P<ftf>\+ftf)?(?P<cache>\+cache)?$")
+CONFIG = re.compile(r"^(?P<loop>normal|overlap)(?:\+mtp(?P<mtp>[1-9]\d*))?(?P<ftf>\+ftf)?(?P<cache>\+cache)?"
+                    r"(?:\+chunk(?P<chunk>[1-9]\d*))?(?P<mixed>\+mixed)?$")
 RANDOM, GSP = "random", "generated-shared-prefix"          # the datasets, by SGLang's names
+LAS = "long-among-short"                                   # and one of our own (chapter 18)
 SHIPPED = ROOT / "minioverlap" / "checkpoints"           # the shipped models by name, as the loader finds them
+LONG_SLACK = 16                                      # tokens a long prompt may fall short of --las-long-len
 DEFAULT_CACHE = "~/.cache/minioverlap-bench"         # --shape's checkpoints, kept for later runs
 DEFAULTS = {                                         # each dataset's options: None when not given, checked, then these
     "num_requests": 64, "input_len": (8, 64), "output_len": (16, 64),
     # SGLang's defaults are 64 x 16 prompts, 2048 + 128 tokens in, 256 out: more than the tiny model's context
     "gsp_num_groups": 8, "gsp_prompts_per_group": 8, "gsp_system_prompt_len": 160, "gsp_question_len": 16,
     "gsp_output_len": 32, "gsp_range_ratio": 1.0, "gsp_ordered": False,
+    # long-among-short's, for the tiny model on a CPU (a decode step of 12 streams 10 to 16 ms, a long prompt's
+    # prefill 0.15 s or more): the streams still run when the last long prompt comes, and the gaps the long
+    # prompts open in them, 5 x 12 of 12 x 399, are more than 1%, so that p99 sees them
+    "las_streams": 12, "las_stream_input_len": (8, 32), "las_stream_output_len": 400, "las_long": 5,
+    "las_long_len": 800, "las_long_output_len": 8, "las_start": 0.5, "las_interval": 0.9,
 }
 
 
@@ -137,6 +171,8 @@ def make_workload(args: argparse.Namespace, vocab_size: int | None = None) -> li
     an output length and an arrival time (s); the shared-prefix dataset's also name their group."""
     if args.dataset == GSP:
         return shared_prefix_workload(args, vocab_size)
+    if args.dataset == LAS:
+        return long_among_short_workload(args, vocab_size)
     rng = random.Random(args.seed)
     (in_lo, in_hi), (out_lo, out_hi) = args.input_len, args.output_len
     words = prompt_source(vocab_size, in_hi, "--input-len")
@@ -209,10 +245,71 @@ def shared_prefix_workload(args: argparse.Namespace, vocab_size: int | None = No
     return work
 
 
+def long_among_short_workload(args: argparse.Namespace, vocab_size: int | None = None) -> list[dict]:
+    """--las-streams short prompts asking for --las-stream-output-len tokens each, all sent at 0 s, then
+    --las-long prompts of --las-long-len tokens asking for --las-long-output-len each, the first at
+    --las-start s and the others --las-interval s apart, while the streams run."""
+    rng = random.Random(args.seed)
+    lo, hi = args.las_stream_input_len
+    words = prompt_source(vocab_size, max(hi, args.las_long_len), "--las-*-len")
+    work = []
+    for _ in range(args.las_streams):
+        n = rng.randint(lo, hi)
+        work.append({"prompt": draw_prompt(rng, n, words, vocab_size), "role": "stream", "input_len": n,
+                     "output_len": args.las_stream_output_len, "arrival_s": 0.0})
+    tokenizer = prompt_tokenizer(args.model, vocab_size)
+    for i in range(args.las_long):
+        prompt, n = long_prompt(rng, args.las_long_len, words, vocab_size, tokenizer)
+        work.append({"prompt": prompt, "role": "long", "input_len": n, "output_len": args.las_long_output_len,
+                     "arrival_s": round(args.las_start + i * args.las_interval, 6)})
+    return work
+
+
+def prompt_tokenizer(model: str, vocab_size: int | None):
+    """The tokenizer that counts a text prompt's tokens as the server does: the local checkpoint's
+    tokenizer.json (None for token-id prompts, which count themselves)."""
+    if vocab_size is not None:
+        return None
+    path = checkpoint_dir(model)
+    if path is None:
+        raise SystemExit(f"{LAS}'s long prompts are --las-long-len tokens: {model} is not a local checkpoint "
+                         "whose tokenizer.json could count them")
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def long_prompt(rng: random.Random, n: int, words: list[str], vocab_size: int | None,
+                tokenizer) -> tuple[str | list[int], int]:
+    """A prompt of at most n tokens and its length in tokens: n token ids; or the longest passage of the
+    book from a random word (whole words) whose tokens number at most n, and at least n - LONG_SLACK: a
+    passage that stops shorter, before a "word" of hundreds of tokens (a table's border of box-drawing
+    characters), is drawn again from another word. Every word is a token or more (a byte-level BPE splits
+    at whitespace before it merges, so the tokens of k words grow with k): n words hold the passage, and
+    bisection finds its end."""
+    if tokenizer is None:
+        return draw_prompt(rng, n, words, vocab_size), n
+    for _ in range(100):
+        start = rng.randrange(len(words) - n)
+        count = lambda k: len(tokenizer.encode(" ".join(words[start:start + k])).ids)  # noqa: E731
+        lo, hi = 0, n                               # count(lo) <= n; the longest such k is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if count(mid) <= n else (lo, mid - 1)
+        if count(lo) >= n - LONG_SLACK:
+            return " ".join(words[start:start + lo]), count(lo)
+    raise SystemExit(f"no passage of the chapters found of {n - LONG_SLACK}..{n} tokens in 100 draws")
+
+
 def warmup_request(args: argparse.Namespace, work: list[dict], vocab_size: int | None = None) -> dict:
     """The request --warmup sends: the first of the workload; for the shared-prefix dataset one of the same
     lengths whose system prompt is no group's (drawn from a generator of its own), so that every group's
-    prefix is cold when the timed requests begin."""
+    prefix is cold when the timed requests begin; for long-among-short a long prompt of the same length
+    that the workload does not hold (its first big prefill is untimed too)."""
+    if args.dataset == LAS:
+        rng, words = random.Random(f"warmup {args.seed}"), prompt_source(vocab_size, args.las_long_len, "--las-*-len")
+        prompt, n = long_prompt(rng, args.las_long_len, words, vocab_size, prompt_tokenizer(args.model, vocab_size))
+        return {"prompt": prompt, "role": "long", "input_len": n, "output_len": args.las_long_output_len,
+                "arrival_s": 0.0}
     if args.dataset != GSP:
         return work[0]
     first, rng = work[0], random.Random(f"warmup {args.seed}")
@@ -257,21 +354,25 @@ def free_port() -> int:
 
 def server_command(config: dict, port: int, model: str, device: str, max_running: int | None = None,
                    max_seq_len: int | None = None) -> list[str]:
-    """`minioverlap serve` for a configuration: its loop, MTP drafts, --first-tokens-first, and the prefix
-    cache only if the configuration asks for it (+cache): --no-prefix-cache otherwise."""
+    """`minioverlap serve` for a configuration: its loop, MTP drafts, --first-tokens-first, the prefix cache
+    only if the configuration asks for it (+cache): --no-prefix-cache otherwise; chunked prefill only if it
+    asks for it (+chunkN, then maybe +mixed): --chunked-prefill-size -1 otherwise."""
     return [sys.executable, "-m", "minioverlap", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model", model, "--device", device, "--loop", config["loop"],
             *(["--mtp", str(config["mtp"])] if config["mtp"] else []),
             *(["--first-tokens-first"] if config["ftf"] else []),
             "--prefix-cache" if config["cache"] else "--no-prefix-cache",
+            "--chunked-prefill-size", str(config["chunk"] or -1),
+            *(["--enable-mixed-chunk"] if config["mixed"] else []),
             *(["--max-running", str(max_running)] if max_running else []),
             *(["--max-seq-len", str(max_seq_len)] if max_seq_len else [])]
 
 
 class ServerProcess:
-    """`minioverlap serve --loop L [--mtp K] [--first-tokens-first] --[no-]prefix-cache` on a free port of
-    127.0.0.1, its output in a temporary file (a pipe nobody reads could fill and block it), in a session of
-    its own so that a hung one can be killed with everything it started."""
+    """`minioverlap serve --loop L [--mtp K] [--first-tokens-first] --[no-]prefix-cache --chunked-prefill-size
+    N|-1 [--enable-mixed-chunk]` on a free port of 127.0.0.1, its output in a temporary file (a pipe nobody
+    reads could fill and block it), in a session of its own so that a hung one can be killed with everything
+    it started."""
 
     def __init__(self, config: dict, model: str, device: str, max_running: int | None = None,
                  max_seq_len: int | None = None) -> None:
@@ -493,7 +594,18 @@ def aggregate(name: str, results: list[dict], work: list[dict], duration_s: floa
         "output_tokens": out_tokens,
         "requested_tokens": sum(w["output_len"] for w, r in zip(work, results) if r["error"] is None),
         "concurrency": sum(r["latency_s"] for r in done) / duration_s,   # requests in flight, on average
+        **({} if not any("role" in w for w in work) else roles(work, results)),
     }
+
+
+def roles(work: list[dict], results: list[dict]) -> dict:
+    """long-among-short's own figures: the ITL of the short streams (the gaps a long prompt's prefill opens
+    in them), its worst gap, and the TTFT of the long prompts."""
+    def completed(role: str) -> list[dict]:
+        return [r for w, r in zip(work, results) if w.get("role") == role and r["error"] is None]
+    gaps = [g for r in completed("stream") for g in r["itl_s"]]
+    return {**spread("stream_itl", gaps), "stream_itl_ms_max": max(gaps) * 1e3 if gaps else None,
+            **spread("long_ttft", [r["ttft_s"] for r in completed("long")])}
 
 
 # ---- the configurations
@@ -531,7 +643,7 @@ def bench_configs(args: argparse.Namespace, configs: list[dict], work: list[dict
         results, duration = runs[name]
         stop = stops.get(name, {"exit_code": None, "left_behind": [], "output": ""})
         record = {"config": name, "loop": c["loop"], "mtp": c["mtp"], "ftf": c["ftf"], "cache": c["cache"],
-                  "url": urls[name],
+                  "chunk": c["chunk"], "mixed": c["mixed"], "url": urls[name],
                   "served_model": models[name][0], "max_model_len": models[name][1],
                   "command": servers[name].cmd if servers else None, "exit_code": stop["exit_code"],
                   "left_behind": stop["left_behind"], "integrity": reports[name],
@@ -551,6 +663,8 @@ def bench_configs(args: argparse.Namespace, configs: list[dict], work: list[dict
 
 
 def mode(args: argparse.Namespace) -> str:
+    if args.dataset == LAS:
+        return f"streams at 0 s, long prompts from {args.las_start:g} s every {args.las_interval:g} s"
     if args.compare_ttft:
         return "one at a time"
     return f"rate {args.request_rate:g}" if math.isfinite(args.request_rate) else "all at once"
@@ -562,16 +676,22 @@ def bench(args: argparse.Namespace) -> dict:
     if args.shape:
         args.model = str(shape_checkpoint(args.shape, Path(args.cache_dir).expanduser()))
     model = served_model(args.url.rstrip("/"))[0] if args.url else args.model
+    args.model = model                                  # the model whose tokenizer counts long prompts' tokens
     vocab = token_id_vocab(model)
     work = make_workload(args, vocab)
     warmup_req = warmup_request(args, work, vocab)
-    configs = ([{"name": args.url, "loop": None, "mtp": None, "ftf": None, "cache": None}] if args.url
-               else args.configs)
+    configs = ([{"name": args.url, "loop": None, "mtp": None, "ftf": None, "cache": None, "chunk": None,
+                 "mixed": None}] if args.url else args.configs)
     shared = args.dataset == GSP
     gsp = {"num_groups": args.gsp_num_groups, "prompts_per_group": args.gsp_prompts_per_group,
            "system_prompt_len": args.gsp_system_prompt_len, "question_len": args.gsp_question_len,
            "output_len": args.gsp_output_len, "range_ratio": args.gsp_range_ratio,
            "ordered": args.gsp_ordered} if shared else None
+    las = {"streams": args.las_streams, "stream_input_len": list(args.las_stream_input_len),
+           "stream_output_len": args.las_stream_output_len, "long": args.las_long, "long_len": args.las_long_len,
+           "long_output_len": args.las_long_output_len, "start_s": args.las_start,
+           "interval_s": args.las_interval} if args.dataset == LAS else None
+    shared = shared or args.dataset == LAS          # neither has the random dataset's lengths
     record = {"tool": "tools/bench_serving.py", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "argv": sys.argv[1:], "device": None if args.url else args.device,
               "model": f"qwen3-{args.shape}-random" if args.shape else model, "mode": mode(args),
@@ -583,7 +703,7 @@ def bench(args: argparse.Namespace) -> dict:
                            "prompts": "words of the chapters" if vocab is None else f"token ids in [10, {vocab})",
                            "input_len": None if shared else list(args.input_len),
                            "input_unit": "words" if vocab is None else "tokens",
-                           "output_len": None if shared else list(args.output_len), "gsp": gsp,
+                           "output_len": None if shared else list(args.output_len), "gsp": gsp, "las": las,
                            "seed": args.seed, "warmup": args.warmup,
                            "warmup_request": warmup_req if shared else None,   # else the first request
                            "max_running": args.max_running, "requests": work},
@@ -631,11 +751,20 @@ def caption(w: dict) -> str:
                    f"({'in order' if g['ordered'] else 'shuffled'}): a system prompt of {lens['system_prompt_len']} "
                    f"{unit} per group + a question of {lens['question_len']}, {w['prompts']}; "
                    f"{lens['output_len']} output tokens")
+    elif w.get("dataset") == LAS:
+        las = w["las"]
+        longs = [r["input_len"] for r in w["requests"] if r["role"] == "long"]
+        span = f"{min(longs)}..{max(longs)}" if longs else "-"
+        prompts = (f"{las['streams']} streams of {las['stream_input_len'][0]}..{las['stream_input_len'][1]} "
+                   f"{w['input_unit']}, {las['stream_output_len']} output tokens each, at 0 s; {las['long']} long "
+                   f"prompts of {span} tokens (at most {las['long_len']}), {las['long_output_len']} output tokens "
+                   f"each, from {las['start_s']:g} s every {las['interval_s']:g} s; {w['prompts']}")
     else:
         prompts = (f"prompts {w['input_len'][0]}..{w['input_len'][1]} {w['prompts']}, "
                    f"{w['output_len'][0]}..{w['output_len'][1]} output tokens")
+    streams = "; stream ITL: the streams' alone, long TTFT: the long prompts'" if w.get("dataset") == LAS else ""
     return (f"{prompts} (ignore_eos), greedy, seed {w['seed']}; ms; ITL per chunk (a step), TPOT per token; "
-            f"hit: cached / prompt tokens")
+            f"hit: cached / prompt tokens{streams}")
 
 
 def against(r: dict, run: dict, base: dict, base_run: dict, one_at_a_time: bool) -> str:
@@ -666,6 +795,11 @@ def report(record: dict) -> None:
                "TTFT mean": "ttft_ms_mean", "TTFT med": "ttft_ms_median", "TTFT p99": "ttft_ms_p99",
                "TPOT med": "tpot_ms_median", "TPOT p99": "tpot_ms_p99", "ITL med": "itl_ms_median",
                "ITL p99": "itl_ms_p99", "E2E med": "e2e_ms_median", "tok/chunk": "tok_per_chunk", "hit": "hit_rate"}
+    if w.get("dataset") == LAS:                     # the streams' gaps and the long prompts' waits, for TPOT's
+        columns = {**{k: v for k, v in columns.items() if not k.startswith(("TPOT", "E2E"))},
+                   "stream ITL med": "stream_itl_ms_median", "stream ITL p99": "stream_itl_ms_p99",
+                   "stream ITL max": "stream_itl_ms_max", "long TTFT med": "long_ttft_ms_median"}
+        columns["hit"] = columns.pop("hit")
     specs = {"duration_s": ".2f", "req_s": ".2f", "tok_per_chunk": ".2f"}
     for name in columns:
         table.add_column(name, justify="left" if name == "config" else "right")
@@ -699,6 +833,17 @@ def report(record: dict) -> None:
             console.print(f"[red]{name}: {short} requests got another number of tokens than they asked for[/red]")
         if run.get("problem"):
             console.print(f"[red]{name}: {run['problem']}[/red]", highlight=False)
+        if late := late_long_prompts(work, per_request):
+            console.print(f"[red]{name}: {late} long prompts came after the last stream had ended: they opened no "
+                          "gap in one (more --las-stream-output-len, or less --las-start or --las-interval)[/red]",
+                          highlight=False)
+
+
+def late_long_prompts(work: list[dict], results: list[dict]) -> int:
+    """long-among-short's long prompts sent after the last stream ended (0 for the other datasets)."""
+    ends = [r["start_s"] + r["latency_s"] for w, r in zip(work, results)
+            if w.get("role") == "stream" and r["latency_s"] is not None]
+    return sum(1 for w, r in zip(work, results) if w.get("role") == "long" and ends and r["start_s"] > max(ends))
 
 
 # ---- the command line
@@ -725,17 +870,25 @@ def rate(text: str) -> float:
 
 
 def configs(text: str) -> list[dict]:
-    """'normal,overlap+mtp2+ftf+cache' -> one dict per server: its name, loop, MTP drafts,
-    --first-tokens-first and the prefix cache (without +cache, --no-prefix-cache)."""
+    """'normal,overlap+mtp2+ftf+cache,overlap+chunk64+mixed' -> one dict per server: its name, loop, MTP drafts,
+    --first-tokens-first, the prefix cache (without +cache, --no-prefix-cache), the chunked prefill size (None
+    without +chunkN: --chunked-prefill-size -1) and mixed steps."""
     out = []
     for name in (n.strip() for n in text.split(",")):
         if (m := CONFIG.match(name)) is None:
-            raise argparse.ArgumentTypeError(f"{name!r} is not LOOP[+mtpK][+ftf][+cache] (LOOP: normal or overlap)")
+            raise argparse.ArgumentTypeError(f"{name!r} is not LOOP[+mtpK][+ftf][+cache][+chunkN[+mixed]] "
+                                             "(LOOP: normal or overlap)")
         if m["ftf"] and m["loop"] != "overlap":
             raise argparse.ArgumentTypeError(f"{name!r}: +ftf (--first-tokens-first) is the overlap loop's; the "
                                              "normal loop handles every step before it launches the next")
+        if m["mixed"] and not m["chunk"]:
+            raise argparse.ArgumentTypeError(f"{name!r}: +mixed (--enable-mixed-chunk) mixes the chunks of +chunkN "
+                                             "into decode steps: give +chunkN before it")
+        if m["mixed"] and m["mtp"]:
+            raise argparse.ArgumentTypeError(f"{name!r}: the server refuses mixed steps with MTP drafts")
         out.append({"name": name, "loop": m["loop"], "mtp": int(m["mtp"] or 0), "ftf": bool(m["ftf"]),
-                    "cache": bool(m["cache"])})
+                    "cache": bool(m["cache"]), "chunk": int(m["chunk"]) if m["chunk"] else None,
+                    "mixed": bool(m["mixed"])})
     if len({c["name"] for c in out}) < len(out):
         raise argparse.ArgumentTypeError(f"{text!r} names a configuration twice")
     return out
@@ -761,11 +914,32 @@ def positive(text: str) -> int:
     return value
 
 
+def natural(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=configs, metavar="LIST",
                         help="servers to compare, comma-separated: normal, overlap, normal+mtp2, overlap+ftf, "
-                             "overlap+mtp2+ftf, overlap+cache, ...; the prefix cache only with +cache, last "
+                             "overlap+mtp2+ftf, overlap+cache, overlap+chunk64, overlap+chunk64+mixed, ...; the "
+                             "prefix cache only with +cache, chunked prefill only with +chunkN, in that order "
                              "(default: normal,overlap)")
     parser.add_argument("--url", help="measure the server running there instead (no --configs)")
     parser.add_argument("--model", help="the model each started server serves: tiny (the default) or a checkpoint "
@@ -781,10 +955,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seq-len", type=positive, metavar="N",
                         help="each started server's context (serve --max-seq-len; default: the model's): a real "
                              "shape's full context for every slot is a large KV pool")
-    parser.add_argument("--dataset", "--dataset-name", choices=(RANDOM, GSP), default=RANDOM,
+    parser.add_argument("--dataset", "--dataset-name", choices=(RANDOM, GSP, LAS), default=RANDOM,
                         help="the workload, by SGLang's names (--dataset-name is SGLang's spelling): random, "
                              "--num-requests prompts of --input-len; or generated-shared-prefix, groups of "
-                             "prompts that share a system prompt, --gsp-* (default: %(default)s)")
+                             "prompts that share a system prompt, --gsp-*; or long-among-short (ours), long "
+                             "prompts arriving among short streaming requests, --las-* (default: %(default)s)")
     parser.add_argument("--request-rate", type=rate, default=math.inf, metavar="R",
                         help="Poisson arrivals at R requests/s, or inf: all at once (default)")
     rnd = parser.add_argument_group("the random dataset")
@@ -814,6 +989,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gsp.add_argument("--gsp-ordered", action="store_true", default=None,
                      help="send the groups one after another, in order; by default the requests are shuffled "
                           "and the groups interleave")
+    las = parser.add_argument_group("the long-among-short dataset", "short prompts streaming long outputs, all sent "
+                                    "at once, and long prompts sent one by one while they run")
+    las.add_argument("--las-streams", type=natural, metavar="N",
+                     help=f"short streaming requests, sent at 0 s (default: {DEFAULTS['las_streams']})")
+    las.add_argument("--las-stream-input-len", type=token_range, metavar="A..B",
+                     help="a stream's prompt length in words of the chapters' prose, or in tokens for a model "
+                          "without a tokenizer (default: 8..32)")
+    las.add_argument("--las-stream-output-len", type=positive, metavar="N",
+                     help=f"output tokens per stream (default: {DEFAULTS['las_stream_output_len']})")
+    las.add_argument("--las-long", type=natural, metavar="N",
+                     help=f"long prompts (default: {DEFAULTS['las_long']})")
+    las.add_argument("--las-long-len", type=positive, metavar="N",
+                     help="a long prompt's length in tokens: the chapters' prose cut at the last whole word "
+                          "within N tokens of the model's tokenizer, or N token ids; with its output, within the "
+                          f"context (default: {DEFAULTS['las_long_len']})")
+    las.add_argument("--las-long-output-len", type=positive, metavar="N",
+                     help=f"output tokens per long prompt (default: {DEFAULTS['las_long_output_len']})")
+    las.add_argument("--las-start", type=seconds, metavar="S",
+                     help=f"when the first long prompt is sent (default: {DEFAULTS['las_start']:g} s)")
+    las.add_argument("--las-interval", type=seconds, metavar="S",
+                     help=f"seconds between long prompts (default: {DEFAULTS['las_interval']:g})")
     parser.add_argument("--seed", type=int, default=0, help="the workload's random.Random seed (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each run (default: %(default)s)")
     parser.add_argument("--compare-ttft", action="store_true",
@@ -831,8 +1027,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--shape {args.shape} serves a checkpoint of its own: give --shape or --model, not both")
     args.model = args.model or "tiny"
     args.configs = args.configs or configs("normal,overlap")
-    other = [name for name in DEFAULTS if getattr(args, name) is not None
-             and name.startswith("gsp_") == (args.dataset == RANDOM)]
+    owner = lambda name: {"gsp": GSP, "las": LAS}.get(name.split("_")[0], RANDOM)   # noqa: E731
+    other = [name for name in DEFAULTS if getattr(args, name) is not None and owner(name) != args.dataset]
     if other:
         options = ", ".join("--" + name.replace("_", "-") for name in other)
         parser.error(f"{options}: {'not options' if len(other) > 1 else 'not an option'} of the {args.dataset} dataset"
@@ -842,6 +1038,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, default)
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.dataset == LAS and (args.compare_ttft or math.isfinite(args.request_rate)):
+        parser.error(f"the {LAS} dataset sends its requests at its own times (--las-start, --las-interval): "
+                     "not with --request-rate or --compare-ttft")
+    if args.dataset == LAS and args.las_streams + args.las_long == 0:
+        parser.error(f"the {LAS} dataset needs a request: --las-streams and --las-long are both 0")
     return args
 
 

@@ -3,9 +3,10 @@ with exactly the tokens it asked for, the figures it records are consistent with
 server it started exits on SIGTERM leaving nothing behind, and --report prints the table again; for a
 checkpoint without tokenizer.json the prompts are token ids and every chunk's text is empty, yet each
 chunk is timed; a server with the prefix cache (+cache) reports the shared-prefix workload's hits. The
-configurations (a server without +cache is started with --no-prefix-cache), the token-id workload, the
-shared-prefix workload (a group's prompts share exactly their system prompt's tokens) and the hit rate
-are also checked in-process."""
+configurations (a server without +cache is started with --no-prefix-cache, one without +chunkN with
+--chunked-prefill-size -1), the token-id workload, the shared-prefix workload (a group's prompts share
+exactly their system prompt's tokens), the long-among-short workload (long prompts of the tokens asked
+for, among streams) and the hit rate are also checked in-process."""
 
 from __future__ import annotations
 
@@ -170,6 +171,59 @@ def test_the_prefix_cache_is_on_only_where_a_configuration_asks_for_it(monkeypat
         assert ("--prefix-cache" in cmd, "--no-prefix-cache" in cmd) == (cache, not cache), (name, cmd)
         assert cmd[cmd.index("--loop") + 1] == name.split("+")[0] and ("--first-tokens-first" in cmd) == ("ftf" in name)
     assert "--mtp" in commands["overlap+mtp2+ftf+cache"] and "--mtp" not in commands["normal+cache"]
+
+
+def test_chunked_prefill_is_on_only_where_a_configuration_asks_for_it(monkeypatch):
+    parsed = bench_serving.configs("normal,overlap+chunk64,overlap+cache+chunk32+mixed,normal+mtp2+chunk128")
+    assert [(c["name"], c["cache"], c["chunk"], c["mixed"]) for c in parsed] == [
+        ("normal", False, None, False), ("overlap+chunk64", False, 64, False),
+        ("overlap+cache+chunk32+mixed", True, 32, True), ("normal+mtp2+chunk128", False, 128, False)]
+    for bad in ("overlap+mixed", "overlap+mixed+chunk64", "overlap+chunk0", "overlap+chunk64+cache",
+                "overlap+mtp2+chunk64+mixed", "normal+chunk"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_serving.configs(bad)
+    monkeypatch.setattr(bench_serving.subprocess, "Popen", lambda cmd, **kwargs: None)
+    for c in parsed:
+        cmd = bench_serving.ServerProcess(c, "tiny", "cpu").cmd
+        size = cmd[cmd.index("--chunked-prefill-size") + 1]
+        assert size == (str(c["chunk"]) if c["chunk"] else "-1"), "without +chunkN, every prompt whole"
+        assert ("--enable-mixed-chunk" in cmd) == c["mixed"], (c["name"], cmd)
+
+
+def test_a_long_among_short_workload_sends_long_prompts_among_the_streams():
+    argv = ["--dataset", "long-among-short", "--las-streams", "5", "--las-stream-input-len", "4..9",
+            "--las-stream-output-len", "30", "--las-long", "3", "--las-long-len", "300", "--las-long-output-len", "2",
+            "--las-start", "0.25", "--las-interval", "0.5", "--seed", "4"]
+    args = bench_serving.parse_args(argv)
+    work = bench_serving.make_workload(args)
+    assert work == bench_serving.make_workload(bench_serving.parse_args(argv)), "seeded: the same workload again"
+    streams, longs = work[:5], work[5:]
+    assert [w["role"] for w in work] == ["stream"] * 5 + ["long"] * 3
+    assert all(w["arrival_s"] == 0 and 4 <= w["input_len"] <= 9 and w["output_len"] == 30 for w in streams)
+    assert [w["arrival_s"] for w in longs] == [0.25, 0.75, 1.25] and all(w["output_len"] == 2 for w in longs)
+    tokenizer = Tokenizer.from_file(str(ROOT / "minioverlap" / "checkpoints" / "tiny" / "tokenizer.json"))
+    for w in longs:
+        n = len(tokenizer.encode(w["prompt"]).ids)
+        assert n == w["input_len"] and 284 <= n <= 300, "the tokens the server will count, near the length asked"
+        assert len(w["prompt"].split()) < 300, "the book's words are longer than a token"
+    warm = bench_serving.warmup_request(args, work)
+    assert warm["role"] == "long" and warm["prompt"] not in {w["prompt"] for w in work}
+    assert 284 <= warm["input_len"] <= 300
+
+    ids = bench_serving.make_workload(args, vocab_size=50)
+    assert [len(w["prompt"]) for w in ids[5:]] == [300] * 3 and all(10 <= t < 50 for w in ids for t in w["prompt"])
+
+    results = [{"error": None, "ttft_s": 0.01, "latency_s": 0.3, "start_s": 0.0, "itl_s": [0.01, 0.2],
+                "output_tokens": 3, "chunks": 3, "prompt_tokens": 9, "cached_tokens": 0}] * 5
+    results += [{"error": None, "ttft_s": t, "latency_s": t + 0.01, "start_s": s, "itl_s": [0.01],
+                 "output_tokens": 2, "chunks": 2, "prompt_tokens": 300, "cached_tokens": 0}
+                for t, s in ((0.1, 0.25), (0.2, 0.75), (0.3, 1.25))]
+    figures = bench_serving.aggregate("overlap", results, work, 2.0)
+    assert figures["stream_itl_ms_max"] == pytest.approx(200) and figures["stream_itl_ms_median"] == pytest.approx(105)
+    assert figures["long_ttft_ms_median"] == pytest.approx(200), "the long prompts' TTFT alone"
+    assert figures["itl_ms_median"] == pytest.approx(10), "every request's gaps, the long prompts' too"
+    assert bench_serving.late_long_prompts(work, results) == 2, "two came after the streams had ended"
+    assert "stream_itl_ms_median" not in bench_serving.aggregate("overlap", results[:5], [{"output_len": 3}] * 5, 1.0)
 
 
 def longest_common_prefix(seqs: list[list[int]]) -> int:
