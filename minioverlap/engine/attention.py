@@ -93,7 +93,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         if rows.many is not None:
             out[rows.many_tokens] = ragged_extend_attention(q[rows.many_tokens], k, v, rows.many)
-        out[rows.one_tokens] = decode_attention(q[rows.one_tokens], k, v, self.page_table[rows.one],
+        out[rows.one_tokens] = decode_attention(q[rows.one_tokens], k, v, self.page_table[rows.one, :rows.one_len],
                                                 self.batch.seq_lens[rows.one])
         return out
 
@@ -183,9 +183,12 @@ def extend_indices(prefix_lens: list[int], extend_lens: list[int], page_table: t
 @dataclass(frozen=True)
 class RowSplit:
     """A prefill step's requests of one new token (`one`: their indices in the batch, `one_tokens`: their
-    token's) and of several (`many`: their ragged layout, `many_tokens`: their tokens); None where none."""
+    token's, `one_len`: the longest of them, the width of their page table: a long prompt's chunk in the
+    step does not widen it) and of several (`many`: their ragged layout, `many_tokens`: their tokens); None
+    where none."""
     one: torch.Tensor | None
     one_tokens: torch.Tensor | None
+    one_len: int
     many: ExtendIndices | None
     many_tokens: torch.Tensor | None
 
@@ -201,7 +204,8 @@ def row_split(prefix_lens: list[int], extend_lens: list[int], page_table: torch.
                             torch.int64, page_table.device)
     layout = extend_indices([prefix_lens[i] for i in many], [extend_lens[i] for i in many],
                             page_table[ix["many"]]) if many else None
-    return RowSplit(ix["one"] if one else None, ix["one_tokens"], layout, ix["many_tokens"])
+    one_len = max((prefix_lens[i] + 1 for i in one), default=0)
+    return RowSplit(ix["one"] if one else None, ix["one_tokens"], one_len, layout, ix["many_tokens"])
 
 
 def cumulative(lens: list[int]) -> list[int]:
