@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DEVICE
+from test_ch15_kernels import close       # fp32: another order of the same sums; bf16: 2 roundings
 from minioverlap import LLM, SamplingParams
 from minioverlap.engine import triton_attention
 from minioverlap.engine.attention import PagedAttention, extend_indices, ragged_extend_attention
@@ -21,13 +22,6 @@ from minioverlap.kernels.extend_attention import extend_attention
 from minioverlap.model.qwen3 import attention
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """fp32: the same arithmetic in another order (2e-5 of the largest value); bf16: 2 roundings."""
-    assert got.shape == want.shape and got.dtype == want.dtype
-    scale = max(1.0, want.abs().max().item())
-    atol = 2e-5 * scale if want.dtype == torch.float32 else 2 * 2 ** -7 * scale
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= atol, f"max error {err:.3g} > {atol:.3g}"
 
 
 def ragged_case(prefix_lens: list[int], extend_lens: list[int], kv_heads: int, group: int, head_dim: int,

@@ -904,34 +904,22 @@ def ratio(text: str) -> float:
     return value
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+def bounded(cast, low: float, what: str):
+    """An argparse type: `cast` of the text, at least `low` and finite, else an error that says `what`."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    return parse
 
 
-def natural(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
+positive = bounded(int, 1, "an integer >= 1")
+natural = bounded(int, 0, "an integer >= 0")
+seconds = bounded(float, 0, "a number of seconds >= 0")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

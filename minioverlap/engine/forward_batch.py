@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+# >>> ch18: what a step's batch works out once
+from functools import cached_property
+# <<< ch18
 
 import torch
 
@@ -113,8 +116,10 @@ class ForwardBatch:
         own prompt tokens first (chapter 08), overwrites it in token_pool."""
         return [p + n < len(r.prompt_ids) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens)]
 
-    def is_chunk(self, req: Req) -> bool:
-        return self.chunks()[self.reqs.index(req)]
+    @cached_property
+    def chunked(self) -> frozenset[Req]:
+        """The requests whose rows are a chunk, made once (the result handling asks for each request)."""
+        return frozenset(r for r, chunk in zip(self.reqs, self.chunks()) if chunk)
 
     def prompt_cells(self) -> list[tuple[int, int]]:
         """The positions whose input is a prompt token, which the step writes itself (a mixed step's decode

@@ -5,7 +5,8 @@ managers/schedule_policy.py) and vLLM's `max_num_batched_tokens`.
 The scheduler hands the budget out in order: first to the request whose prompt is partly prefilled (its
 next chunk), then to the waiting requests it admits. Each takes the rest of its prompt, or what is left
 of the budget: a prompt longer than that is prefilled over several steps, in chunks. A mixed step's decode
-rows are tokens of the step too, so they are spent before any prompt: a step runs at most `size` tokens.
+rows are tokens of the step too, so they are spent before any prompt: a step runs at most `size` tokens
+(or only its decode rows, where they alone are more).
 """
 
 from __future__ import annotations

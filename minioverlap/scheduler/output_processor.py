@@ -76,7 +76,7 @@ class OutputProcessorMixin:
             return self.fail(req)
         # <<< ch07
         # >>> ch18: a chunk: its prompt goes on in a later step; the token sampled after it is no reply
-        if out.batch.is_chunk(req):
+        if req in out.batch.chunked:
             return None
         # <<< ch18
         # >>> ch09 replaces ch04: a window of tokens, handled one by one
