@@ -253,3 +253,34 @@ def test_the_fast_path_runs_chunks_and_mixed_steps_as_the_reference_does(overlap
     reference = LLM(page_size=4, overlap=False, chunked_prefill_size=-1, prefix_cache=False).generate(prompts(), PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
     llm.check_integrity()
+
+
+# ---- the server
+@pytest.mark.process
+def test_a_server_that_chunks_and_mixes_serves_what_whole_prompts_give():
+    """`minioverlap serve --chunked-prefill-size 16 --enable-mixed-chunk`, as an OpenAI client uses it: a
+    long prompt's completion (210 tokens, in chunks) while a stream runs, the same prompt streamed and left after its
+    first token, the first stream left before its end: the text is whole-prompt prefill's, and once idle
+    every page and slot is free."""
+    import openai
+    from tests.serving import Server
+
+    long_prompt = "def fibonacci(n):\n" + "    x = [1, 2, 3]\n" * 20
+    server = Server("--chunked-prefill-size", "16", "--enable-mixed-chunk")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny", prompt="class Stack:", max_tokens=64, temperature=0,
+                                           stream=True)
+        next(iter(stream))                                   # a stream runs ...
+        long = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=8, temperature=0)
+        left = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=8, temperature=0, stream=True)
+        next(iter(left))
+        left.close()                                         # ... and one leaves early
+        stream.close()
+        report = server.wait_idle()
+        assert report["problems"] is None, report
+    finally:
+        code, out = server.stop()
+    assert code == 0, out
+    want = LLM(chunked_prefill_size=-1).generate([long_prompt], SamplingParams(max_tokens=8))[0]
+    assert long.choices[0].text == want.text
