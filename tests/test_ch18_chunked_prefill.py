@@ -259,9 +259,9 @@ def test_the_fast_path_runs_chunks_and_mixed_steps_as_the_reference_does(overlap
 @pytest.mark.process
 def test_a_server_that_chunks_and_mixes_serves_what_whole_prompts_give():
     """`minioverlap serve --chunked-prefill-size 16 --enable-mixed-chunk`, as an OpenAI client uses it: a
-    long prompt's completion (210 tokens, in chunks) while a stream runs, the same prompt streamed and left after its
-    first token, the first stream left before its end: the text is whole-prompt prefill's, and once idle
-    every page and slot is free."""
+    long prompt's completion (210 tokens, in chunks) while a stream runs, the same prompt streamed and
+    left after its first token, the first stream left before its end: the text is whole-prompt
+    prefill's, and once idle every page and slot is free."""
     import openai
     from tests.serving import Server
 
