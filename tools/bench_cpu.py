@@ -99,9 +99,10 @@ def bench_mtp(args: argparse.Namespace) -> None:
     k, rows = args.mtp, []
     for batch in sorted({1, args.requests}):
         # prefix_cache=False: every round repeats the prompts; with the cache on, only the first would prefill
-        # them (chapters 09-12 measured a prefill in every run)
+        # them (chapters 09-12 measured a prefill in every run); chunked_prefill_size=-1: one prefill step, as then
         engines = {f"{kind} {loop}": LLM(model="tiny", max_running=batch, overlap=overlap, mtp_steps=k * (kind == "mtp"),
-                                         device=args.device, dtype="float32", cuda_graphs=False, prefix_cache=False)
+                                         device=args.device, dtype="float32", cuda_graphs=False, prefix_cache=False,
+                                         chunked_prefill_size=-1)
                    for loop, overlap in LOOPS.items() for kind in ("plain", "mtp")}
         prompts = [engines["plain normal"].encode(p) for p in PROMPTS[:batch]]
         runs = {name: partial(run_minioverlap, llm, prompts, args.tokens) for name, llm in engines.items()}
@@ -159,9 +160,10 @@ def main() -> None:
         return
 
     # prefix_cache=False: every run repeats the prompts, and transformers, the baseline, computes each again;
-    # with the cache on, only minioverlap's first run would prefill them
-    loops = {"normal": LLM(model="tiny", max_running=args.requests, overlap=False, prefix_cache=False),
-             "overlap": LLM(model="tiny", max_running=args.requests, overlap=True, prefix_cache=False)}
+    # with the cache on, only minioverlap's first run would prefill them. chunked_prefill_size=-1: the prompts
+    # in one prefill step, as transformers runs them (and as chapter 04 recorded)
+    whole = dict(max_running=args.requests, prefix_cache=False, chunked_prefill_size=-1)
+    loops = {"normal": LLM(model="tiny", overlap=False, **whole), "overlap": LLM(model="tiny", overlap=True, **whole)}
     logging.set_verbosity_error()          # the tiny checkpoint's MTP tensors are reported as unused
     logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(str(loops["normal"].model_dir), dtype=torch.float32).eval()
