@@ -110,6 +110,17 @@ def test_in_the_overlap_loop_a_mixed_step_is_launched_before_the_last_one_is_han
     assert steps(llm)[1:4] == [(2, (0, 1), (), (0, 1)), (3, (2, 0, 1), (2,), (0, 1)), (4, (2, 0, 1), (2,), (0, 1))]
 
 
+def test_first_tokens_first_waits_for_the_last_chunk_only():
+    """The overlap loop's first_tokens_first (chapter 16) handles a step before the next launch only where
+    the step gives first tokens: a prompt of 20 tokens in chunks of 8 overlaps its two chunks (nothing to
+    hand out), and waits for the third, its last."""
+    llm = LLM(overlap=True, chunked_prefill_size=8)
+    llm.scheduler.submit(llm.make_requests([list(range(200, 220))], SamplingParams(max_tokens=3, ignore_eos=True)))
+    list(llm.scheduler.run(overlap=True, first_tokens_first=True))
+    assert llm.trace.order(("launch", "process")) == ["launch 1", "launch 2", "handle 1", "launch 3", "handle 2",
+                                                      "handle 3", "launch 4", "launch 5", "handle 4", "handle 5"]
+
+
 def abort_after_two_chunks(overlap: bool, mtp: int) -> LLM:
     """Stream a long prompt (six chunks of 7) and a short one, and abort the long one as its second chunk
     is launched. The abort is received at the next iteration: in the normal loop after that chunk is

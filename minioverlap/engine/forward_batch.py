@@ -102,6 +102,17 @@ class ForwardBatch:
         """Each request's position seq_len: where the sampler writes its next input token."""
         return [(row, p + n) for row, p, n in zip(self.rows, self.prefix_lens, self.extend_lens)]
     # <<< ch08
+    # >>> ch16: the time to first token
+
+    @property
+    def gives_first_tokens(self) -> bool:
+        """Whether handling the step gives requests their first tokens: a prefill (from chapter 18, a step
+        that ends some request's prompt; a step of chunks alone gives none)."""
+        # >>> ch18 replaces ch16: a chunk ends no prompt
+        #| return self.mode is ForwardMode.EXTEND
+        return any(p < len(r.prompt_ids) <= p + n for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens))
+        # <<< ch18
+    # <<< ch16
     # >>> ch17: what a handled prefill computed, for the prefix cache
 
     def prompt_rows(self) -> list[tuple[Req, int]]:

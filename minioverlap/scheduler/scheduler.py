@@ -172,7 +172,7 @@ class Scheduler(OutputProcessorMixin):
         # handles it: its first tokens go out before the next launch, not after (a CPU runs a step at
         # its launch: a whole step sooner). The price: the device idles while the host handles the
         # prefill and launches the next step, once per prefill.
-        if self.first_tokens_first and last is not None and last.batch.mode is ForwardMode.EXTEND:
+        if self.first_tokens_first and last is not None and last.batch.gives_first_tokens:
             self.wait(last)
             return None, self.process(last)
         # <<< ch16
