@@ -89,7 +89,7 @@ class PagedAttention:
         share of the padded call, and a mixed step would cost a prefill per running request."""
         k, v, rows = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.rows
         if rows.one is None:
-            return ragged_extend_attention(q, k, v, self.extend)
+            return ragged_extend_attention(q, k, v, rows.many)
         out = torch.empty_like(q)
         if rows.many is not None:
             out[rows.many_tokens] = ragged_extend_attention(q[rows.many_tokens], k, v, rows.many)
@@ -182,15 +182,15 @@ def extend_indices(prefix_lens: list[int], extend_lens: list[int], page_table: t
 
 @dataclass(frozen=True)
 class RowSplit:
-    """A prefill step's requests of one new token (`one`: their indices in the batch, `one_tokens`: their
-    token's, `one_len`: the longest of them, the width of their page table: a long prompt's chunk in the
-    step does not widen it) and of several (`many`: their ragged layout, `many_tokens`: their tokens); None
-    where none."""
+    """A prefill step's requests of one new token (`one`: their indices in the batch, None if none;
+    `one_tokens`: their token's; `one_len`: the longest of them, the width of their page table: a long
+    prompt's chunk in the step does not widen it) and of several (`many`: their ragged layout, None if
+    none; `many_tokens`: their tokens)."""
     one: torch.Tensor | None
-    one_tokens: torch.Tensor | None
+    one_tokens: torch.Tensor
     one_len: int
     many: ExtendIndices | None
-    many_tokens: torch.Tensor | None
+    many_tokens: torch.Tensor
 
 
 def row_split(prefix_lens: list[int], extend_lens: list[int], page_table: torch.Tensor) -> RowSplit:
@@ -202,8 +202,8 @@ def row_split(prefix_lens: list[int], extend_lens: list[int], page_table: torch.
     ix = to_device_together({"one": one, "one_tokens": [starts[i] for i in one], "many": many,
                              "many_tokens": [t for i in many for t in range(starts[i], starts[i + 1])]},
                             torch.int64, page_table.device)
-    layout = extend_indices([prefix_lens[i] for i in many], [extend_lens[i] for i in many],
-                            page_table[ix["many"]]) if many else None
+    rows = page_table if not one else page_table[ix["many"]]      # all of them: the page table as it is
+    layout = extend_indices([prefix_lens[i] for i in many], [extend_lens[i] for i in many], rows) if many else None
     one_len = max((prefix_lens[i] + 1 for i in one), default=0)
     return RowSplit(ix["one"] if one else None, ix["one_tokens"], one_len, layout, ix["many_tokens"])
 
