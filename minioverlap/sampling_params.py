@@ -7,6 +7,9 @@ import math
 import numbers
 import sys
 # <<< ch03
+# >>> ch19: a grammar's schema, as JSON text
+import json
+# <<< ch19
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +45,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()         # stop strings: the request ends once its text holds one (finish_reason "stop")
     logprobs: int | None = None        # None: none; 0: each token's log-probability; k >= 1: and the k most likely
     # <<< ch16
+    # >>> ch19: grammar-constrained output (at most one of the three)
+    json_schema: str | dict | None = None   # the output is JSON valid against this schema (a dict, kept as its JSON text)
+    regex: str | None = None           # the output matches this regular expression, whole
+    json_object: bool = False          # the output is a JSON object (OpenAI's response_format "json_object")
+    # <<< ch19
 
     def __post_init__(self) -> None:
         checked = {"max_tokens": _integer("max_tokens", self.max_tokens, "an integer >= 1", lambda n: n >= 1)}
@@ -56,6 +64,11 @@ class SamplingParams:
         # >>> ch16: stop strings and logprobs
         checked |= {"stop": _stop_strings(self.stop), "logprobs": _logprobs(self.logprobs)}
         # <<< ch16
+        # >>> ch19: at most one grammar, which xgrammar compiles; a schema kept as its JSON text
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
+        checked["json_schema"] = self._checked_grammar()
+        # <<< ch19
         for name, value in checked.items():
             object.__setattr__(self, name, value)      # the one way to set a field of a frozen dataclass
     # >>> ch03: sampling
@@ -74,6 +87,31 @@ class SamplingParams:
         top_p = _real("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
         return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     # <<< ch03
+    # >>> ch19: grammar-constrained output
+
+    def _checked_grammar(self) -> str | None:
+        """At most one grammar, and one xgrammar compiles (its error becomes the ValueError): -> the
+        schema as JSON text (None: none). xgrammar is imported only for a request that has a grammar."""
+        given = [name for name in GRAMMARS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"a request follows at most one grammar: json_schema, regex or json_object, "
+                             f"got {' and '.join(given)}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"regex must be a non-empty string, a regular expression, got {_short(self.regex)}")
+        schema = None if self.json_schema is None else _schema_text(self.json_schema)
+        if schema is not None or self.regex is not None:
+            from minioverlap.constrained.grammar import compile_error
+            if (error := compile_error(schema, self.regex)) is not None:
+                name = given[0]
+                raise ValueError(f"{name} must be {GRAMMAR_RULES[name]} that xgrammar compiles, got "
+                                 f"{_short(getattr(self, name))}: {error}")
+        return schema
+
+    @property
+    def grammar_kind(self) -> str | None:
+        """The field that gives the request's grammar ("json_schema", "regex" or "json_object"); None: none."""
+        return next((name for name in GRAMMARS if getattr(self, name) not in (None, False)), None)
+    # <<< ch19
 
 
 def integral(value: object) -> int | None:
@@ -131,3 +169,33 @@ def _logprobs(value: object) -> int | None:
     return _integer("logprobs", value, f"None, or an integer in [0, {MAX_LOGPROBS}] (the most likely tokens "
                     f"to return with each token's own)", lambda k: 0 <= k <= MAX_LOGPROBS)
 # <<< ch16
+# >>> ch19: grammar-constrained output
+
+GRAMMARS = ("json_schema", "regex", "json_object")
+GRAMMAR_RULES = {"json_schema": "a JSON schema (a dict, or its JSON text)", "regex": "a regular expression"}
+
+
+def _schema_text(value: object) -> str:
+    """A JSON schema as JSON text: a dict dumped, a string kept once it parses as a JSON object."""
+    rule = f"json_schema must be {GRAMMAR_RULES['json_schema']}, an object"
+    if isinstance(value, dict):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{rule} that JSON can write ({e}), got {_short(value)}") from None
+    if not isinstance(value, str):
+        raise ValueError(f"{rule}, got {_short(value)}")
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"{rule}; its text is not JSON ({e}), got {_short(value)}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{rule}, got {_short(value)}")
+    return value
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: a schema may be long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+# <<< ch19

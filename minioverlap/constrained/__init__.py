@@ -1,0 +1,1 @@
+# >>> ch19 file: grammar-constrained output

@@ -1,0 +1,125 @@
+# >>> ch19 file: a request's grammar
+"""A request's grammar: the tokens it may take next, as a mask over the vocabulary.
+
+A request with a json_schema, a regex or json_object follows a grammar that xgrammar (the default
+backend of SGLang and vLLM) compiles against the engine's vocabulary: in every state of the grammar,
+which tokens may come next. Three pieces:
+
+    GrammarBackend   one per engine: the vocabulary as xgrammar reads it (its TokenizerInfo, built once)
+                     and a GrammarCompiler that keeps what it compiled (the same schema compiles once)
+    Grammar          one per request: a GrammarMatcher over its compiled grammar. It fills the request's
+                     row of a token bitmask, accepts each token the request takes, rolls back, and says
+                     when it has terminated (it took a stop token where the grammar may end)
+    token_bitmask    a step's mask on the host: a row per request, ceil(vocab / 32) int32 words, bit t of
+                     a row set if token t is allowed; a free request's row is all ones. apply_bitmask
+                     turns each forbidden token's logit into -inf on the logits' device, before sampling
+
+The mask of a request depends on every token it has taken, so it is filled on the host once the step
+before has been handled: in the normal loop, while the step's forward runs.
+
+JSON schemas compile to the compact form, one line with json.dumps's separators (", ", ": "), and no
+whitespace elsewhere: a grammar that allowed any whitespace would let a small model's greedy output
+run on in spaces and newlines instead of ending.
+
+xgrammar imports transformers (half a second), which an engine without a grammar never needs: this
+module is imported where a grammar first is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+import xgrammar as xgr
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from minioverlap.engine.request import Req
+    from minioverlap.sampling_params import SamplingParams
+
+COMPACT = dict(any_whitespace=False)   # JSON on one line, as json.dumps writes it
+JSON_OBJECT = '{"type": "object"}'     # json_object: any JSON object (vLLM compiles the same schema for it)
+
+
+def compile_error(schema: str | None, regex: str | None) -> str | None:
+    """xgrammar's complaint about a JSON schema (as JSON text) or a regex, or None if it compiles. The
+    grammar alone, without a vocabulary: the check SamplingParams makes when it is built."""
+    try:
+        if schema is not None:
+            xgr.Grammar.from_json_schema(schema, **COMPACT)
+        else:
+            xgr.Grammar.from_regex(regex)
+    except RuntimeError as e:          # what xgrammar raises for a schema or regex it cannot compile
+        return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()   # without its time and C++ source line
+    return None
+
+
+class GrammarBackend:
+    """The engine's grammar compiler, over its vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        """vocab_size is the model's (its logits' width), which may exceed the tokenizer's: the tokens past
+        the tokenizer's are never allowed. A grammar ends with one of stop_token_ids (the model's EOS)."""
+        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+                                                  vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+
+    def grammar(self, params: SamplingParams) -> Grammar | None:
+        """A new matcher for a request's grammar (None: it has none), from the compiled grammar, cached."""
+        if params.json_schema is not None:
+            compiled = self.compiler.compile_json_schema(params.json_schema, **COMPACT)
+        elif params.regex is not None:
+            compiled = self.compiler.compile_regex(params.regex)
+        elif params.json_object:
+            compiled = self.compiler.compile_json_schema(JSON_OBJECT, **COMPACT)
+        else:
+            return None
+        return Grammar(xgr.GrammarMatcher(compiled))
+
+
+class Grammar:
+    """A request's grammar, in the state its tokens so far have left it in."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Its row of the bitmask: the tokens it may take next. False if it allows none."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        return bool(bitmask[row].any())
+
+    def accept(self, token: int) -> bool:
+        """Advance by a token the request took; False (and no change) if the grammar forbids it."""
+        return self.matcher.accept_token(token)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n tokens accepted."""
+        self.matcher.rollback(n)
+
+    def is_terminated(self) -> bool:
+        """Whether it has taken a stop token where the grammar may end: the request is done."""
+        return self.matcher.is_terminated()
+
+
+def token_bitmask(reqs: list[Req], vocab_size: int) -> torch.Tensor:
+    """The step's mask on the host, [B, ceil(vocab_size / 32)] int32: each constrained request's row filled
+    by its grammar, a free request's all ones. A grammar that allows no token fails its request alone
+    (chapter 07): its row is left all ones, so that its sample is an ordinary one, which the scheduler
+    never uses."""
+    bitmask = xgr.allocate_token_bitmask(len(reqs), vocab_size)       # all ones
+    for i, req in enumerate(reqs):
+        if req.grammar is not None and not req.grammar.fill(bitmask, i):
+            req.error = "its grammar allows no token of the vocabulary"
+            bitmask[i] = -1
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [B, vocab], in place: each token its row of the bitmask forbids becomes -inf; the others,
+    and every row of a free request, are left exactly as they were. On a GPU the mask goes through
+    pinned memory, without making the host wait, and xgrammar's Triton kernel applies it there."""
+    if logits.device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
