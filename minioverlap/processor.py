@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+# >>> ch19: a request's grammar
+from typing import TYPE_CHECKING
+# <<< ch19
 
 from minioverlap.engine.request import Req
 from minioverlap.sampling_params import SamplingParams, integral
@@ -17,6 +20,10 @@ from minioverlap.sampling_params import SamplingParams, integral
 from minioverlap.engine.logprobs import TokenLogprob
 from minioverlap.text import TextStream, find_stop
 # <<< ch16
+# >>> ch19: a request's grammar (its module imports xgrammar, only where a grammar is first needed)
+if TYPE_CHECKING:
+    from minioverlap.constrained.grammar import Grammar, GrammarBackend
+# <<< ch19
 
 Prompt = str | list[int]
 Params = SamplingParams | list[SamplingParams] | None
@@ -50,6 +57,9 @@ class Processor:
         self.vocab_size = config.vocab_size
         self.eos_token_ids = set(config.eos_token_ids)
         self.max_seq_len = max_seq_len
+        # >>> ch19: the grammar compiler, made at the first request with a grammar
+        self.grammars: GrammarBackend | None = None
+        # <<< ch19
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> token ids, checked against the vocabulary and the context."""
@@ -101,6 +111,21 @@ class Processor:
                              f"stop_token_ids take token ids")
         return TextStream(self.tokenizer, params.stop)
     # <<< ch16
+    # >>> ch19: a request's grammar
+
+    def grammar(self, params: SamplingParams) -> Grammar | None:
+        """A new matcher for the request's grammar (None: it has none). The compiler, over the vocabulary
+        as xgrammar reads it, is made at the first grammar, once; it keeps every grammar it compiles."""
+        if params.grammar_kind is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{params.grammar_kind} needs a tokenizer (the grammar is over token strings) and "
+                             f"{self.model_dir} has no tokenizer.json")
+        if self.grammars is None:
+            from minioverlap.constrained.grammar import GrammarBackend   # xgrammar: see that module
+            self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self.grammars.grammar(params)
+    # <<< ch19
 
     def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
         """One checked request per prompt (no uid yet). `params` is one SamplingParams for all prompts

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+# >>> ch19: a request's grammar (its module imports xgrammar, only where a grammar is first needed)
+from typing import TYPE_CHECKING
+# <<< ch19
 
 # >>> ch03: per-request sampling
 import torch
@@ -16,6 +19,10 @@ from minioverlap.cache.radix import Node
 from minioverlap.engine.logprobs import TokenLogprob
 from minioverlap.text import TextStream
 # <<< ch16
+# >>> ch19: a request's grammar
+if TYPE_CHECKING:
+    from minioverlap.constrained.grammar import Grammar
+# <<< ch19
 
 
 @dataclass(eq=False)
@@ -57,6 +64,9 @@ class Req:
     logprobs: list[TokenLogprob] = field(default_factory=list)   # of output_ids, if params.logprobs is not None
     text: TextStream | None = None      # its output as text, searched for params.stop (None: no stop strings)
     # <<< ch16
+    # >>> ch19: its grammar, advanced by every token it takes (None: a free request)
+    grammar: Grammar | None = None
+    # <<< ch19
 
     @property
     def finished(self) -> bool:
@@ -71,6 +81,10 @@ class Req:
         if self.text is not None and self.text.holds_stop(self.output_ids):
             return "stop"
         # <<< ch16
+        # >>> ch19: its grammar ended: it took a stop token where the grammar may end (ignore_eos or not)
+        if self.grammar is not None and self.grammar.is_terminated():
+            return "stop"
+        # <<< ch19
         return "length" if len(self.output_ids) >= self.max_new_tokens else None
     # >>> ch04: what the CPU knows at launch
 

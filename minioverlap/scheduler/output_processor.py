@@ -93,6 +93,11 @@ class OutputProcessorMixin:
         if req.finished:
             return None
         # <<< ch07
+        # >>> ch19: its grammar takes the token first; one it forbids fails the request alone
+        if req.grammar is not None and not req.grammar.accept(token):
+            req.error = f"token {token} breaks its grammar"
+            return self.fail(req)
+        # <<< ch19
         # >>> exercise 04.2: handle a step's result
         req.output_ids.append(token)
         # >>> ch07 fix early-finish replaces ch04: decide by the tokens actually received
@@ -119,7 +124,11 @@ class OutputProcessorMixin:
         replies = [r for r in (self.handle(req, t) for t in tokens) if r is not None]
         if not replies:
             return None
-        return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason)
+        # >>> ch19 replaces ch09: with the error of a token its grammar forbids
+        #| return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason)
+        return Reply(req.uid, [t for r in replies for t in r.token_ids], replies[-1].finished, replies[-1].finish_reason,
+                     replies[-1].error)
+        # <<< ch19
         # <<< exercise 12.1
     # <<< ch09
     # >>> ch16: logprobs
