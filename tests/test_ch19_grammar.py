@@ -1,0 +1,165 @@
+"""Chapter 19: grammar-constrained sampling in the normal loop. The tiny model's greedy output under a JSON
+schema parses and validates (an object of typed properties, an enum, an array of integers with maxItems,
+nested objects), under a regex matches it whole, under json_object is a JSON object; in a batch that mixes
+constrained and free requests the free ones' tokens equal a run without a grammar; the grammar that ends
+ends its request ("stop"), with ignore_eos too; a grammar that allows no token, or a token it forbids, fails
+its request alone; every bad input is refused naming its field, and the engine then equals a fresh one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from minioverlap import LLM, SamplingParams
+from minioverlap.constrained.grammar import Grammar
+from minioverlap.engine import sampler
+
+PROMPTS = ["def fibonacci(n):", "x = {", "import json\ndata = "]
+FREE = ["class Stack:", "    for i in range(10):"]
+LONG = "import os\n" + "x = [1, 2, 3]\nprint(x)\n" * 10          # longer than a CPU step's 64-token budget: chunked
+SCHEMAS = {
+    "typed-object": {"type": "object", "required": ["name", "age", "admin"],
+                     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                                    "admin": {"type": "boolean"}}},
+    "enum": {"enum": ["red", "green", "blue"]},
+    "int-array": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+    "nested": {"type": "object", "required": ["point", "tags"],
+               "properties": {"point": {"type": "object", "required": ["x", "y"],
+                                        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}},
+                              "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2}}},
+}
+PHONE = r"\d{3}-\d{4}"
+EOS = 0                                                 # the tiny model's <|endoftext|>
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(overlap=False)
+
+
+@pytest.fixture(scope="module")
+def free_tokens(llm) -> list[list[int]]:
+    """The free prompts' greedy tokens, run without any grammar."""
+    return [o.token_ids for o in llm.generate(FREE, SamplingParams(max_tokens=24))]
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@pytest.mark.parametrize("as_text", [False, True], ids=["dict", "json-text"])
+def test_greedy_output_validates_against_its_schema(llm, name, as_text):
+    """Each prompt's greedy output, under the schema (given as a dict or as its JSON text), ends where its
+    JSON ends (the EOS the grammar allows only there: "stop") and validates against the schema."""
+    schema = json.dumps(SCHEMAS[name]) if as_text else SCHEMAS[name]
+    for out in llm.generate(PROMPTS, SamplingParams(max_tokens=64, json_schema=schema)):
+        assert out.finish_reason == "stop" and out.token_ids[-1] == EOS, out
+        jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+    llm.check_integrity()
+
+
+def test_regex_output_matches_whole(llm):
+    for out in llm.generate(PROMPTS, SamplingParams(max_tokens=32, regex=PHONE)):
+        assert re.fullmatch(PHONE, out.text) and out.finish_reason == "stop", out
+
+
+def test_json_object_output_is_a_json_object(llm):
+    for out in llm.generate(PROMPTS, SamplingParams(max_tokens=64, json_object=True)):
+        assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out
+
+
+def test_free_requests_beside_constrained_ones_equal_a_run_without_grammars(free_tokens):
+    """A batch mixing free requests with constrained ones (greedy and seeded sampling, one with a prompt
+    chunked over several steps): the free tokens equal a run without a grammar, a seeded free request's
+    equal its run alone, every constrained output is valid, and the hazard checker is silent."""
+    llm = LLM(overlap=False, hazard_check=True)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    alone = llm.generate(FREE[0], sampled)[0].token_ids
+    person = SamplingParams(max_tokens=64, json_schema=SCHEMAS["typed-object"])
+    prompts = [FREE[0], PROMPTS[0], FREE[1], LONG, FREE[0], PROMPTS[1]]
+    params = [SamplingParams(max_tokens=24), person, SamplingParams(max_tokens=24),
+              SamplingParams(max_tokens=32, regex=PHONE), sampled,
+              SamplingParams(max_tokens=64, temperature=0.7, seed=3, json_schema=SCHEMAS["nested"])]
+    outs = llm.generate(prompts, params)
+    assert [outs[0].token_ids, outs[2].token_ids] == free_tokens
+    assert outs[4].token_ids == alone
+    jsonschema.validate(json.loads(outs[1].text), SCHEMAS["typed-object"])
+    assert re.fullmatch(PHONE, outs[3].text)
+    jsonschema.validate(json.loads(outs[5].text), SCHEMAS["nested"])
+    assert any(e.kind == "chunk" for e in llm.trace)
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_grammar_that_ends_ends_its_request(llm, ignore_eos):
+    """Once the regex is matched the grammar allows only EOS; taking it ends the grammar, and the request
+    ends with finish_reason "stop" long before max_tokens, even where EOS alone would not end it."""
+    [out] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=100, regex=PHONE, ignore_eos=ignore_eos))
+    assert out.finish_reason == "stop" and out.token_ids[-1] == EOS and re.fullmatch(PHONE, out.text)
+    assert len(out.token_ids) < 100
+
+
+def test_a_grammar_that_allows_no_token_fails_its_request_alone(llm, free_tokens, monkeypatch):
+    """A grammar whose mask allows nothing (made so by hand: the byte-level vocabulary writes any string,
+    so no schema or regex here can) ends its request with finish_reason "error"; the free requests of its
+    batch finish as without it, and nothing is held."""
+    monkeypatch.setattr(Grammar, "fill", lambda self, bitmask, row: bool(bitmask[row].zero_().any()))
+    outs = llm.generate([FREE[0], PROMPTS[0], FREE[1]],
+                        [SamplingParams(max_tokens=24), SamplingParams(regex=PHONE), SamplingParams(max_tokens=24)])
+    assert (outs[1].finish_reason, outs[1].token_ids) == ("error", [])
+    assert [outs[0].token_ids, outs[2].token_ids] == free_tokens
+    llm.check_integrity()
+
+
+def test_a_token_its_grammar_forbids_fails_its_request_alone(llm, free_tokens, monkeypatch):
+    """Without the mask the model's greedy first token breaks the grammar: the request fails alone, with
+    the token named in its reply, and the free requests finish as without it."""
+    monkeypatch.setattr(sampler, "mask_logits", lambda logits, reqs: None)
+    replies = list(llm.stream([FREE[0], PROMPTS[0], FREE[1]],
+                              [SamplingParams(max_tokens=24), SamplingParams(regex=PHONE), SamplingParams(max_tokens=24)]))
+    [failed] = [r for r in replies if r.finish_reason == "error"]
+    assert failed.token_ids == [] and re.fullmatch(r"token \d+ breaks its grammar", failed.error)
+    tokens = {uid: [t for r in replies if r.uid == uid for t in r.token_ids] for uid in {r.uid for r in replies}}
+    assert [tokens[failed.uid - 1], tokens[failed.uid + 1]] == free_tokens
+    llm.check_integrity()
+
+
+LONG_SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "nope"} for i in range(20)}}
+BAD_PARAMS = [
+    (dict(json_schema=42), r"json_schema must be a JSON schema \(a dict, or its JSON text\), an object, got 42"),
+    (dict(json_schema="{not json"), r"json_schema must be .*its text is not JSON .*, got '\{not json'"),
+    (dict(json_schema="[1, 2]"), r"json_schema must be .*an object, got '\[1, 2\]'"),
+    (dict(json_schema={"type": "nope"}), r"json_schema must be .* that xgrammar compiles, got \{'type': 'nope'\}: "
+                                         r"Unsupported type \"nope\"$"),
+    (dict(json_schema={"type": "integer", "minimum": 5, "maximum": 3}), r"json_schema .*minimum greater than maximum"),
+    (dict(json_schema=LONG_SCHEMA), r"json_schema must be .*, got \{'type': 'object', .{40,60}\.\.\.: Unsupported type"),
+    (dict(regex="(ab"), r"regex must be a regular expression that xgrammar compiles, got '\(ab': .*parenthesis is not closed"),
+    (dict(regex=""), r"regex must be a non-empty string, a regular expression, got ''"),
+    (dict(regex=5), r"regex must be a non-empty string, a regular expression, got 5"),
+    (dict(json_object="yes"), r"json_object must be True or False, got 'yes'"),
+    (dict(json_schema={"type": "integer"}, regex=PHONE), r"at most one grammar: .*got json_schema and regex"),
+    (dict(regex=PHONE, json_object=True), r"at most one grammar: .*got regex and json_object"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD_PARAMS)
+def test_a_bad_grammar_is_refused_naming_its_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(overlap=True), r"json_schema needs overlap=False for now: the overlap loop launches a step before"),
+    (dict(overlap=False, mtp_steps=3), r"json_schema needs mtp_steps=0 for now, got mtp_steps=3"),
+])
+def test_a_grammar_where_its_mask_is_not_built_yet_is_refused_and_changes_nothing(options, message):
+    """The overlap loop and MTP refuse a constrained request (with a free one beside it) before any runs;
+    the engine then gives the tokens a fresh one gives and holds nothing."""
+    llm = LLM(**options)
+    params = [SamplingParams(max_tokens=24), SamplingParams(json_schema=SCHEMAS["enum"])]
+    with pytest.raises(ValueError, match=message):
+        llm.generate(FREE, params)
+    assert llm.next_uid == 0
+    fresh = LLM(**options).generate(FREE, SamplingParams(max_tokens=24))
+    assert [o.token_ids for o in llm.generate(FREE, SamplingParams(max_tokens=24))] == [o.token_ids for o in fresh]
+    llm.check_integrity()
