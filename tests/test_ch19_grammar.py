@@ -142,7 +142,7 @@ BAD_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("options,message", BAD_PARAMS)
+@pytest.mark.parametrize("options,message", BAD_PARAMS, ids=[", ".join(options) for options, _ in BAD_PARAMS])
 def test_a_bad_grammar_is_refused_naming_its_field(options, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**options)
@@ -151,7 +151,7 @@ def test_a_bad_grammar_is_refused_naming_its_field(options, message):
 @pytest.mark.parametrize("options,message", [
     (dict(overlap=True), r"json_schema needs overlap=False for now: the overlap loop launches a step before"),
     (dict(overlap=False, mtp_steps=3), r"json_schema needs mtp_steps=0 for now, got mtp_steps=3"),
-])
+], ids=["overlap", "mtp"])
 def test_a_grammar_where_its_mask_is_not_built_yet_is_refused_and_changes_nothing(options, message):
     """The overlap loop and MTP refuse a constrained request (with a free one beside it) before any runs;
     the engine then gives the tokens a fresh one gives and holds nothing."""
