@@ -144,28 +144,13 @@ class LLM:
         for req in reqs:
             self.scheduler.check_fits_pool(req)
         # <<< ch04
-        # >>> ch19: a request with a grammar gets its own matcher (in the normal loop only, for now)
+        # >>> ch19: a request with a grammar gets its own matcher
         for req in reqs:
-            self.check_grammar(req.params)
             req.grammar = self.processor.grammar(req.params)
         # <<< ch19
         for req in reqs:
             req.uid, self.next_uid = self.next_uid, self.next_uid + 1
         return reqs
-
-    # >>> ch19: grammar-constrained sampling
-
-    def check_grammar(self, params: SamplingParams) -> None:
-        """A grammar's mask is filled from every token its request has taken. The normal loop has them on
-        the host when it launches a step; the overlap loop and MTP's windows do not yet."""
-        kind = params.grammar_kind
-        if kind is not None and self.args.overlap:
-            raise ValueError(f"{kind} needs overlap=False for now: the overlap loop launches a step before the "
-                             "previous step's tokens reach the host, and the grammar's mask needs them")
-        if kind is not None and self.args.mtp_steps:
-            raise ValueError(f"{kind} needs mtp_steps=0 for now, got mtp_steps={self.args.mtp_steps}: a verify "
-                             "window's tokens are not checked against the grammar yet")
-    # <<< ch19
 
     def generate(self, prompts: Prompt | list[Prompt], params: Params = None) -> list[RequestOutput]:
         """Complete every prompt. Every prompt is checked before any runs."""

@@ -90,6 +90,21 @@ class Grammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         return bool(bitmask[row].any())
 
+    def fill_window(self, bitmask: torch.Tensor, drafts: list[int]) -> None:
+        """A verify window's rows of the bitmask (k+1 rows for k drafts): row j the tokens it may take after
+        drafts d1..dj, found by walking the matcher along the drafts; then back, to where it was: the
+        scheduler advances it when the step is handled, by the tokens accepted. After a draft its grammar
+        forbids, the rows stay all ones: the row before masks that draft, so the accept rule stops there."""
+        # >>> exercise 19.1: a verify window's masks
+        taken = 0
+        for j in range(len(drafts) + 1):
+            self.matcher.fill_next_token_bitmask(bitmask, j)
+            if j == len(drafts) or self.matcher.is_terminated() or not self.matcher.accept_token(drafts[j]):
+                break
+            taken += 1
+        self.matcher.rollback(taken)
+        # <<< exercise 19.1
+
     def accept(self, token: int) -> bool:
         """Advance by a token the request took; False (and no change) if the grammar forbids it."""
         return self.matcher.accept_token(token)
@@ -105,21 +120,36 @@ class Grammar:
 
 def token_bitmask(reqs: list[Req], vocab_size: int) -> torch.Tensor:
     """The step's mask on the host, [B, ceil(vocab_size / 32)] int32: each constrained request's row filled
-    by its grammar, a free request's all ones. A grammar that allows no token fails its request alone
-    (chapter 07): its row is left all ones, so that its sample is an ordinary one, which the scheduler
-    never uses."""
+    by its grammar, a free request's all ones, and so is the row of a request that has finished (the
+    overlap loop launched it once more, chapter 07: its token is dropped). A grammar that allows no token
+    fails its request alone (chapter 07): its row is left all ones, so that its sample is an ordinary
+    one, which the scheduler never uses."""
     bitmask = xgr.allocate_token_bitmask(len(reqs), vocab_size)       # all ones
     for i, req in enumerate(reqs):
-        if req.grammar is not None and not req.grammar.fill(bitmask, i):
+        if req.grammar is not None and not req.finished and not req.grammar.fill(bitmask, i):
             req.error = "its grammar allows no token of the vocabulary"
             bitmask[i] = -1
     return bitmask
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [B, vocab], in place: each token its row of the bitmask forbids becomes -inf; the others,
-    and every row of a free request, are left exactly as they were. On a GPU the mask goes through
-    pinned memory, without making the host wait, and xgrammar's Triton kernel applies it there."""
-    if logits.device.type == "cuda":
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+def window_bitmask(reqs: list[Req], drafts: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """A verify step's mask on the host, [B * W, words]: each constrained request's W = k+1 rows
+    (Grammar.fill_window), all ones for the others."""
+    W = len(drafts[0]) + 1
+    bitmask = xgr.allocate_token_bitmask(len(reqs) * W, vocab_size)
+    for i, req in enumerate(reqs):
+        if req.grammar is not None and not req.finished:
+            req.grammar.fill_window(bitmask[i * W:(i + 1) * W], drafts[i])
+    return bitmask
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [..., vocab] in which each token its row of the bitmask forbids is -inf; the
+    others, and every row of a free request, as they were. A copy: the step's logprobs stay the model's
+    own distribution (chapter 16). On a GPU the mask goes through pinned memory, without making the host
+    wait, and xgrammar's kernel applies it there."""
+    out = logits.reshape(-1, logits.shape[-1]).clone()
+    if out.device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(out.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=out.shape[-1])
+    return out.view(logits.shape)

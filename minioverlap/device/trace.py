@@ -5,6 +5,8 @@ For each step N both loops record, each as its phase ends: `schedule` (the batch
 (its work is queued), `wait` (the step's result has reached the host), `process` (the result is
 handled: tokens appended, stop rules, frees) and `reply` (the handled tokens went to the clients).
 A server's loop (chapter 16) also records `receive`: requests that arrived while the last step ran.
+From chapter 19 the overlap loop records `mask`: a constrained step's masks filled and its sample
+queued, once the step before it has been handled.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ KINDS = ("receive", "hit", "schedule", "launch", "wait", "process", "reply")
 # >>> ch18: and the requests whose rows in a step are a chunk of their prompt (more of it follows)
 KINDS += ("chunk",)
 # <<< ch18
+# >>> ch19: and the step whose masks were filled and whose sample was queued after the step before was handled
+KINDS += ("mask",)
+# <<< ch19
 
 
 @dataclass(frozen=True)

@@ -157,20 +157,31 @@ class ModelRunner:
     # <<< ch03
     # >>> ch04: one step, launched
 
-    def launch(self, batch: ForwardBatch, step: int) -> StepOutput:
+    def launch(self, batch: ForwardBatch, step: int,
+               # >>> ch19: its sample put off until sample_later (the overlap loop, a constrained step)
+               put_off: bool = False,
+               # <<< ch19
+               ) -> StepOutput:
         """Queue one step's work and return it launched; its tokens reach the host later (`wait`).
         From chapter 06 the work goes to the forward stream, after the schedule stream's writes."""
         # >>> ch06 replaces ch04: on the forward stream, with the step's GPU timestamps (None on CPU)
         #| return self.run(batch, step)
         with self.streams.forward():
             start = self.streams.timestamp()
-            out = self.run(batch, step)
+            # >>> ch19 replaces ch06: or its forward alone
+            #| out = self.run(batch, step)
+            out = self.run(batch, step, put_off)
+            # <<< ch19
             out.gpu_events = (start, self.streams.timestamp())
         return out
         # <<< ch06
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, step: int) -> StepOutput:
+    def run(self, batch: ForwardBatch, step: int,
+            # >>> ch19: its sample put off
+            put_off: bool = False,
+            # <<< ch19
+            ) -> StepOutput:
         """The step, top to bottom:
 
             inputs    the page table (the attention context) and the input tokens, read once
@@ -179,7 +190,8 @@ class ModelRunner:
             to host   the tokens, a window of one per request, start on their way to the host (the
                       host waits for them in `wait`)
 
-        From chapter 08 the event the fence waits for is recorded once the inputs are read."""
+        From chapter 08 the event the fence waits for is recorded once the inputs are read; from chapter 19 a
+        step launched with put_off stops after its forward, and sample_later does the rest."""
         ctx, input_ids = self.attention(batch), self.read_inputs(batch)
         # >>> ch08: the fence's event: the step has read what it reads of the tables the scheduler writes
         read_done = self.streams.record()
@@ -187,6 +199,10 @@ class ModelRunner:
         # >>> ch16 replaces ch04: the logits kept: the step's logprobs come from them, with its sample
         #| tokens = sample(self.forward(batch, input_ids, ctx), batch.reqs)
         logits = self.forward(batch, input_ids, ctx)
+        # >>> ch19: put off: the rest waits for its masks (sample_later)
+        if put_off:
+            return StepOutput(step, batch, input_ids, *[None] * 5, read_done, sample_later=partial(self.sample_step, logits))
+        # <<< ch19
         tokens = sample(logits, batch.reqs)
         self.logprobs = step_logprobs(logits[:, None], tokens[:, None], batch.reqs)   # a window of one
         # <<< ch16
@@ -220,6 +236,35 @@ class ModelRunner:
         copy_done = self.streams.record(copy_done)
         return StepOutput(step, batch, input_ids, tokens, cpu, accept_lens, accept_lens_cpu, copy_done, read_done)
         # <<< ch08
+
+    # >>> ch19: a step whose sample was put off
+
+    def waits_for_host(self, running: list[Req]) -> bool:
+        """Whether the overlap loop must handle the step in flight before it builds the next: never for a
+        plain step (a constrained one puts its sample off instead, and only that waits). A speculative
+        runner's may (SpecRunner)."""
+        return False
+
+    def sample_later(self, out: StepOutput) -> None:
+        """Queue the rest of a step launched with put_off, now that the host can fill its masks: its sample
+        and what follows it (StepOutput.sample_later), on the forward stream after its forward. `out` gets
+        the step's tokens, their copy to the host and the end of its GPU time."""
+        with self.streams.forward():
+            done = out.sample_later(out)
+            done.gpu_events = (out.gpu_events[0], self.streams.timestamp())
+        out.__dict__.update(done.__dict__)
+
+    def sample_step(self, logits: torch.Tensor, out: StepOutput) -> StepOutput:
+        """What run does after the forward, for a step that put it off: sample (the masks filled now), the
+        logprobs, the tokens into token_pool, their copy to the host."""
+        tokens = sample(logits, out.batch.reqs)
+        self.logprobs = step_logprobs(logits[:, None], tokens[:, None], out.batch.reqs)
+        self.tables.write_next_tokens(out.batch, tokens)
+        done = self.output(out.step, out.batch, out.input_ids, tokens[:, None], torch.ones(len(tokens), dtype=torch.int64),
+                           out.read_done)
+        done.logprobs = self.logprobs
+        return done
+    # <<< ch19
 
     def wait(self, out: StepOutput) -> None:
         """Block the host until the step's tokens are on it: the one place the host waits for the device."""

@@ -19,9 +19,9 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """logits [B, vocab] (fp32) -> next tokens [B] (int64, on the logits' device). A greedy request
     (temperature 0) takes the argmax; any other draws from its own adjusted distribution (sample_one),
     and from chapter 07 a draw that fails fails its own request alone."""
-    # >>> ch19: a request with a grammar draws from the tokens it allows: the others' logits -inf first
+    # >>> ch19: a request with a grammar draws from the tokens it allows: the others' logits -inf, in a copy
     if any(req.grammar is not None for req in reqs):
-        mask_logits(logits, reqs)
+        logits = mask_logits(logits, reqs)
     # <<< ch19
     tokens = logits.argmax(dim=-1)
     # >>> ch07 replaces ch03: a request whose sampling fails fails alone (its token, the argmax, is never used)
@@ -86,11 +86,11 @@ def fail_alone(req: Req, work, *args, default):
 # >>> ch19: grammar-constrained sampling
 
 
-def mask_logits(logits: torch.Tensor, reqs: list[Req]) -> None:
-    """logits [B, vocab], in place: each token a request's grammar forbids becomes -inf; the rows of free
-    requests stay exactly as they were. The mask is filled on the host (on a GPU while the forward runs)
-    from every token each request has taken: in the normal loop the step before has been handled when
-    this one is launched, so the host has them all."""
-    from minioverlap.constrained.grammar import apply_bitmask, token_bitmask   # xgrammar: see that module
-    apply_bitmask(logits, token_bitmask(reqs, logits.shape[-1]))
+def mask_logits(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """logits [B, vocab] -> a copy in which each token a request's grammar forbids is -inf; the rows of
+    free requests as they were. The mask is filled on the host from every token each request has taken:
+    in the normal loop the step before has been handled when this one is launched; in the overlap loop
+    the sample of a constrained step is put off until it has (ModelRunner.sample_later)."""
+    from minioverlap.constrained.grammar import masked, token_bitmask   # xgrammar: see that module
+    return masked(logits, token_bitmask(reqs, logits.shape[-1]))
 # <<< ch19

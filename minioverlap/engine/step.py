@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+# >>> ch19: a step whose sample was put off
+from collections.abc import Callable
+# <<< ch19
 
 import torch
 
@@ -45,6 +48,9 @@ class StepOutput:
     # >>> ch16: the logprobs, if a request of the step asked: computed with its sample, copied before its tokens
     logprobs: StepLogprobs | None = None
     # <<< ch16
+    # >>> ch19: a step launched with its sample put off: what queues the rest, once its masks can be filled
+    sample_later: Callable[[StepOutput], StepOutput] | None = None
+    # <<< ch19
 
     def token_lists(self) -> list[list[int]]:
         """Each request's tokens of the step, on the host: its window, cut to its accept length."""

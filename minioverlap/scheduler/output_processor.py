@@ -63,6 +63,9 @@ class OutputProcessorMixin:
         # <<< ch07
         self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
         self.trace.record("reply", out.step, [r.uid for r in replies])
+        # >>> ch19: the step launched after this one, if it put its sample off for this one's tokens, samples now
+        self.sample_put_off()
+        # <<< ch19
         return replies
 
     def handle_tokens(self, req: Req, tokens: list[int], out: StepOutput) -> Reply | None:

@@ -176,6 +176,11 @@ class Scheduler(OutputProcessorMixin):
             self.wait(last)
             return None, self.process(last)
         # <<< ch16
+        # >>> ch19: a step the runner builds from the last step's tokens on the host: that step is handled first
+        if last is not None and self.runner.waits_for_host(self.running):
+            self.wait(last)
+            return None, self.process(last)
+        # <<< ch19
         # >>> exercise 06.1: the overlap loop
         replies = self.receive()
         batch = self.schedule()
@@ -270,7 +275,10 @@ class Scheduler(OutputProcessorMixin):
     def launch(self, batch: ForwardBatch) -> StepOutput:
         """Have the runner launch the step. From chapter 06 it stays in flight until it is handled; from
         chapter 08 what the scheduler queues next waits, on the device, for the step's shared reads."""
-        out = self.runner.launch(batch, self.step)
+        # >>> ch19 replaces ch04: a constrained step launched while the step before is in flight puts its sample off
+        #| out = self.runner.launch(batch, self.step)
+        out = self.runner.launch(batch, self.step, put_off=bool(self.in_flight) and batch.constrained)
+        # <<< ch19
         # >>> ch06: in flight until it is handled
         self.in_flight.append(out)
         # <<< ch06
@@ -286,6 +294,19 @@ class Scheduler(OutputProcessorMixin):
         # <<< ch18
         self.trace.record("launch", self.step, [r.uid for r in batch.reqs])
         return out
+
+    # >>> ch19: the sample a constrained step put off
+
+    def sample_put_off(self) -> None:
+        """The step launched after the one just handled, if it put its sample off: its requests' grammars
+        have taken every token they will get before it, so its masks can be filled: its sample is queued
+        now (`mask`). SGLang's overlap loop does the same: launch_batch_sample_if_needed, after
+        process_batch_result, runs the delay_sample_func of a batch with a grammar."""
+        for out in self.in_flight:
+            if out.sample_later is not None:
+                self.runner.sample_later(out)
+                self.trace.record("mask", out.step, [r.uid for r in out.batch.reqs])
+    # <<< ch19
 
     def wait(self, out: StepOutput) -> None:
         self.runner.wait(out)

@@ -89,7 +89,11 @@ class SpecRunner(ModelRunner):
         return super().batch(mode, reqs)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, step: int) -> StepOutput:
+    def run(self, batch: ForwardBatch, step: int,
+            # >>> ch19: never put off (waits_for_host)
+            put_off: bool = False,
+            # <<< ch19
+            ) -> StepOutput:
         """The step: a prefill or a verify, each request's window of tokens and how many of them count,
         started on their way to the host with the fence's event."""
         verify = batch.mode is ForwardMode.TARGET_VERIFY
@@ -248,6 +252,16 @@ class SpecRunner(ModelRunner):
         pair (its token, the next one), SGLang's bigram key; the same count of entries as the plain key."""
         return list(zip(tokens, tokens[1:]))
     # <<< ch17
+
+    # >>> ch19: a constrained window
+
+    def waits_for_host(self, running: list[Req]) -> bool:
+        """With a constrained request running, the overlap loop handles each step before it builds the next:
+        the verify's accept needs every constrained request's window masks, which need the tokens the step
+        before accepted, and its draft extend needs the accept. Putting off all of that (as a plain step
+        puts off its sample) is left undone here: these steps run as the normal loop runs them."""
+        return any(r.grammar is not None for r in running)
+    # <<< ch19
 
     def tokens_needed(self, req: Req) -> int:
         """The plain runner's count, and the KV slots the verify windows may reach past the last token."""
