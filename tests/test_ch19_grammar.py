@@ -1,9 +1,11 @@
-"""Chapter 19: grammar-constrained sampling in the normal loop. The tiny model's greedy output under a JSON
+"""Chapter 19: grammar-constrained sampling, in both loops, with and without MTP. The tiny model's greedy output under a JSON
 schema parses and validates (an object of typed properties, an enum, an array of integers with maxItems,
 nested objects), under a regex matches it whole, under json_object is a JSON object; in a batch that mixes
 constrained and free requests the free ones' tokens equal a run without a grammar; the grammar that ends
 ends its request ("stop"), with ignore_eos too; a grammar that allows no token, or a token it forbids, fails
-its request alone; every bad input is refused naming its field, and the engine then equals a fresh one."""
+its request alone; every bad input is refused naming its field, and the engine then equals a fresh one.
+Constrained greedy tokens are the same in the four configurations (the overlap loop's put-off sample, MTP's
+masked windows: lossless), and the overlap loop fills a step's masks only after the step before is handled."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from minioverlap import LLM, SamplingParams
 from minioverlap.constrained.grammar import Grammar
 from minioverlap.engine import sampler
+from minioverlap.speculative import accept
 
 PROMPTS = ["def fibonacci(n):", "x = {", "import json\ndata = "]
 FREE = ["class Stack:", "    for i in range(10):"]
@@ -35,9 +38,21 @@ PHONE = r"\d{3}-\d{4}"
 EOS = 0                                                 # the tiny model's <|endoftext|>
 
 
+CONFIGS = {"normal": dict(overlap=False), "overlap": dict(overlap=True),
+           "normal-mtp3": dict(overlap=False, mtp_steps=3), "overlap-mtp3": dict(overlap=True, mtp_steps=3)}
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def llm(request) -> LLM:
+    return LLM(**CONFIGS[request.param], hazard_check=True)
+
+
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(overlap=False)
+def normal_tokens() -> dict[str, list[list[int]]]:
+    """The normal loop's constrained greedy tokens, without MTP: every schema, over every prompt."""
+    llm = LLM(overlap=False)
+    return {name: [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=64, json_schema=schema))]
+            for name, schema in SCHEMAS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +73,55 @@ def test_greedy_output_validates_against_its_schema(llm, name, as_text):
     llm.check_integrity()
 
 
+def test_constrained_tokens_equal_the_normal_loop_s(llm, normal_tokens):
+    """The overlap loop (its sample put off until the step before is handled) and MTP (each window's rows
+    masked along its drafts, the accept rule over them) give the normal loop's constrained greedy tokens
+    exactly, for every schema; with MTP some windows accept drafts."""
+    for name, schema in SCHEMAS.items():
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=64, json_schema=schema))
+        assert [o.token_ids for o in outs] == normal_tokens[name], name
+    if llm.args.mtp_steps:
+        assert sum(o.verify_steps for o in outs) < sum(len(o.token_ids) for o in outs)
+    llm.check_integrity()
+
+
+def events(trace, kinds=("schedule", "launch", "wait", "process", "reply", "mask")) -> list[tuple[str, int]]:
+    return [(e.kind, e.step) for e in trace if e.kind in kinds]
+
+
+def test_the_overlap_loop_fills_a_step_s_masks_after_the_step_before_is_handled():
+    """One constrained request, the overlap loop: step N+1's forward is launched before step N is waited
+    for, and its `mask` (masks filled, sample queued) comes right after step N is handled; the normal loop
+    fills them inside its launch and records no mask. Exactly, for the first steps."""
+    params = SamplingParams(max_tokens=8, regex=r"\d{8}")
+    overlap, normal = LLM(overlap=True), LLM(overlap=False)
+    overlap.generate(PROMPTS[0], params)
+    assert events(overlap.trace)[:16] == [
+        ("schedule", 1), ("launch", 1),
+        ("schedule", 2), ("launch", 2), ("wait", 1), ("process", 1), ("reply", 1), ("mask", 2),
+        ("schedule", 3), ("launch", 3), ("wait", 2), ("process", 2), ("reply", 2), ("mask", 3),
+        ("schedule", 4), ("launch", 4)]
+    normal.generate(PROMPTS[0], params)
+    assert events(normal.trace)[:10] == [(k, n) for n in (1, 2) for k in ("schedule", "launch", "wait", "process", "reply")]
+    assert not [e for e in normal.trace if e.kind == "mask"]
+
+
+def test_a_free_batch_puts_no_sample_off():
+    """Without a constrained request the overlap loop is chapter 07's: no step puts its sample off."""
+    llm = LLM(overlap=True)
+    llm.generate(FREE, SamplingParams(max_tokens=8))
+    assert not [e for e in llm.trace if e.kind == "mask"]
+
+
+def test_with_mtp_a_constrained_request_makes_the_overlap_loop_handle_each_step_first():
+    """With MTP a constrained verify is not put off: the overlap loop waits for and handles step N before it
+    schedules step N+1 (SpecRunner.waits_for_host), and the tokens are the normal loop's."""
+    llm = LLM(overlap=True, mtp_steps=3)
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, regex=r"\d{16}"))
+    order = events(llm.trace, ("launch", "wait"))
+    assert order == [(k, n) for n in range(1, len(order) // 2 + 1) for k in ("launch", "wait")]
+
+
 def test_regex_output_matches_whole(llm):
     for out in llm.generate(PROMPTS, SamplingParams(max_tokens=32, regex=PHONE)):
         assert re.fullmatch(PHONE, out.text) and out.finish_reason == "stop", out
@@ -68,11 +132,12 @@ def test_json_object_output_is_a_json_object(llm):
         assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out
 
 
-def test_free_requests_beside_constrained_ones_equal_a_run_without_grammars(free_tokens):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_free_requests_beside_constrained_ones_equal_a_run_without_grammars(free_tokens, config):
     """A batch mixing free requests with constrained ones (greedy and seeded sampling, one with a prompt
     chunked over several steps): the free tokens equal a run without a grammar, a seeded free request's
     equal its run alone, every constrained output is valid, and the hazard checker is silent."""
-    llm = LLM(overlap=False, hazard_check=True)
+    llm = LLM(**CONFIGS[config], hazard_check=True)
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
     alone = llm.generate(FREE[0], sampled)[0].token_ids
     person = SamplingParams(max_tokens=64, json_schema=SCHEMAS["typed-object"])
@@ -114,7 +179,8 @@ def test_a_grammar_that_allows_no_token_fails_its_request_alone(llm, free_tokens
 def test_a_token_its_grammar_forbids_fails_its_request_alone(llm, free_tokens, monkeypatch):
     """Without the mask the model's greedy first token breaks the grammar: the request fails alone, with
     the token named in its reply, and the free requests finish as without it."""
-    monkeypatch.setattr(sampler, "mask_logits", lambda logits, reqs: None)
+    monkeypatch.setattr(sampler, "mask_logits", lambda logits, reqs: logits)
+    monkeypatch.setattr(accept, "mask_window", lambda logits, drafts, reqs: logits)
     replies = list(llm.stream([FREE[0], PROMPTS[0], FREE[1]],
                               [SamplingParams(max_tokens=24), SamplingParams(regex=PHONE), SamplingParams(max_tokens=24)]))
     [failed] = [r for r in replies if r.finish_reason == "error"]
@@ -146,20 +212,3 @@ BAD_PARAMS = [
 def test_a_bad_grammar_is_refused_naming_its_field(options, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**options)
-
-
-@pytest.mark.parametrize("options,message", [
-    (dict(overlap=True), r"json_schema needs overlap=False for now: the overlap loop launches a step before"),
-    (dict(overlap=False, mtp_steps=3), r"json_schema needs mtp_steps=0 for now, got mtp_steps=3"),
-], ids=["overlap", "mtp"])
-def test_a_grammar_where_its_mask_is_not_built_yet_is_refused_and_changes_nothing(options, message):
-    """The overlap loop and MTP refuse a constrained request (with a free one beside it) before any runs;
-    the engine then gives the tokens a fresh one gives and holds nothing."""
-    llm = LLM(**options)
-    params = [SamplingParams(max_tokens=24), SamplingParams(json_schema=SCHEMAS["enum"])]
-    with pytest.raises(ValueError, match=message):
-        llm.generate(FREE, params)
-    assert llm.next_uid == 0
-    fresh = LLM(**options).generate(FREE, SamplingParams(max_tokens=24))
-    assert [o.token_ids for o in llm.generate(FREE, SamplingParams(max_tokens=24))] == [o.token_ids for o in fresh]
-    llm.check_integrity()
