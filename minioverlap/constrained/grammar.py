@@ -94,12 +94,13 @@ class Grammar:
         """A verify window's rows of the bitmask (k+1 rows for k drafts): row j the tokens it may take after
         drafts d1..dj, found by walking the matcher along the drafts; then back, to where it was: the
         scheduler advances it when the step is handled, by the tokens accepted. After a draft its grammar
-        forbids, the rows stay all ones: the row before masks that draft, so the accept rule stops there."""
+        forbids, or one that ends it (its stop token), the rows stay all ones: the row before masks that draft,
+        or the request ends there, so the accept rule never uses them."""
         # >>> exercise 19.1: a verify window's masks
         taken = 0
-        for j in range(len(drafts) + 1):
-            self.matcher.fill_next_token_bitmask(bitmask, j)
-            if j == len(drafts) or self.matcher.is_terminated() or not self.matcher.accept_token(drafts[j]):
+        while not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, taken)
+            if taken == len(drafts) or not self.matcher.accept_token(drafts[taken]):
                 break
             taken += 1
         self.matcher.rollback(taken)

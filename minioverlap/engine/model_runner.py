@@ -157,31 +157,20 @@ class ModelRunner:
     # <<< ch03
     # >>> ch04: one step, launched
 
-    def launch(self, batch: ForwardBatch, step: int,
-               # >>> ch19: its sample put off until sample_later (the overlap loop, a constrained step)
-               put_off: bool = False,
-               # <<< ch19
-               ) -> StepOutput:
+    def launch(self, batch: ForwardBatch, step: int) -> StepOutput:
         """Queue one step's work and return it launched; its tokens reach the host later (`wait`).
         From chapter 06 the work goes to the forward stream, after the schedule stream's writes."""
         # >>> ch06 replaces ch04: on the forward stream, with the step's GPU timestamps (None on CPU)
         #| return self.run(batch, step)
         with self.streams.forward():
             start = self.streams.timestamp()
-            # >>> ch19 replaces ch06: or its forward alone
-            #| out = self.run(batch, step)
-            out = self.run(batch, step, put_off)
-            # <<< ch19
+            out = self.run(batch, step)
             out.gpu_events = (start, self.streams.timestamp())
         return out
         # <<< ch06
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, step: int,
-            # >>> ch19: its sample put off
-            put_off: bool = False,
-            # <<< ch19
-            ) -> StepOutput:
+    def run(self, batch: ForwardBatch, step: int) -> StepOutput:
         """The step, top to bottom:
 
             inputs    the page table (the attention context) and the input tokens, read once
@@ -190,8 +179,7 @@ class ModelRunner:
             to host   the tokens, a window of one per request, start on their way to the host (the
                       host waits for them in `wait`)
 
-        From chapter 08 the event the fence waits for is recorded once the inputs are read; from chapter 19 a
-        step launched with put_off stops after its forward, and sample_later does the rest."""
+        From chapter 08 the event the fence waits for is recorded once the inputs are read."""
         ctx, input_ids = self.attention(batch), self.read_inputs(batch)
         # >>> ch08: the fence's event: the step has read what it reads of the tables the scheduler writes
         read_done = self.streams.record()
@@ -199,10 +187,6 @@ class ModelRunner:
         # >>> ch16 replaces ch04: the logits kept: the step's logprobs come from them, with its sample
         #| tokens = sample(self.forward(batch, input_ids, ctx), batch.reqs)
         logits = self.forward(batch, input_ids, ctx)
-        # >>> ch19: put off: the rest waits for its masks (sample_later)
-        if put_off:
-            return StepOutput(step, batch, input_ids, *[None] * 5, read_done, sample_later=partial(self.sample_step, logits))
-        # <<< ch19
         tokens = sample(logits, batch.reqs)
         self.logprobs = step_logprobs(logits[:, None], tokens[:, None], batch.reqs)   # a window of one
         # <<< ch16
@@ -245,8 +229,19 @@ class ModelRunner:
         runner's may (SpecRunner)."""
         return False
 
+    def launch_forward(self, batch: ForwardBatch, step: int) -> StepOutput:
+        """Launch a step's forward alone, as run begins it: its sample needs masks from the tokens of the
+        step still in flight, so it is queued later, by sample_later (SGLang's delay_sample_func)."""
+        with self.streams.forward():
+            start = self.streams.timestamp()
+            ctx, input_ids = self.attention(batch), self.read_inputs(batch)
+            read_done = self.streams.record()
+            logits = self.forward(batch, input_ids, ctx)
+        return StepOutput(step, batch, input_ids, *[None] * 5, read_done, gpu_events=(start, None),
+                          sample_later=partial(self.sample_step, logits))
+
     def sample_later(self, out: StepOutput) -> None:
-        """Queue the rest of a step launched with put_off, now that the host can fill its masks: its sample
+        """Queue the rest of a step launched by launch_forward, now that the host can fill its masks: its sample
         and what follows it (StepOutput.sample_later), on the forward stream after its forward. `out` gets
         the step's tokens, their copy to the host and the end of its GPU time."""
         with self.streams.forward():

@@ -274,10 +274,11 @@ class Scheduler(OutputProcessorMixin):
 
     def launch(self, batch: ForwardBatch) -> StepOutput:
         """Have the runner launch the step. From chapter 06 it stays in flight until it is handled; from
-        chapter 08 what the scheduler queues next waits, on the device, for the step's shared reads."""
-        # >>> ch19 replaces ch04: a constrained step launched while the step before is in flight puts its sample off
+        chapter 08 what the scheduler queues next waits, on the device, for the step's shared reads; from
+        chapter 19 a constrained step may launch its forward alone."""
+        # >>> ch19 replaces ch04: or its forward alone (launch_step)
         #| out = self.runner.launch(batch, self.step)
-        out = self.runner.launch(batch, self.step, put_off=bool(self.in_flight) and batch.constrained)
+        out = self.launch_step(batch)
         # <<< ch19
         # >>> ch06: in flight until it is handled
         self.in_flight.append(out)
@@ -296,6 +297,13 @@ class Scheduler(OutputProcessorMixin):
         return out
 
     # >>> ch19: the sample a constrained step put off
+
+    def launch_step(self, batch: ForwardBatch) -> StepOutput:
+        """The runner launches the step; a constrained step launched while the step before is in flight, its
+        forward alone: its masks need that step's tokens, so its sample waits for it (sample_put_off)."""
+        if self.in_flight and batch.constrained:
+            return self.runner.launch_forward(batch, self.step)
+        return self.runner.launch(batch, self.step)
 
     def sample_put_off(self) -> None:
         """The step launched after the one just handled, if it put its sample off: its requests' grammars

@@ -89,11 +89,7 @@ class SpecRunner(ModelRunner):
         return super().batch(mode, reqs)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, step: int,
-            # >>> ch19: never put off (waits_for_host)
-            put_off: bool = False,
-            # <<< ch19
-            ) -> StepOutput:
+    def run(self, batch: ForwardBatch, step: int) -> StepOutput:
         """The step: a prefill or a verify, each request's window of tokens and how many of them count,
         started on their way to the host with the fence's event."""
         verify = batch.mode is ForwardMode.TARGET_VERIFY
