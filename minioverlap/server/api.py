@@ -30,6 +30,9 @@ from minioverlap.server.guards import BodyLimit, openai_errors
 from minioverlap.server.messages import Tokens
 from minioverlap.server.protocol import (APIError, ChatRequest, CompletionRequest, GenerateRequest, chat_request,
                                          completion_request, invalid_value, parse, parse_json, sampling_params)
+# >>> ch19: a grammar the engine's loop cannot follow, named as the request names it
+from minioverlap.server.protocol import api_field
+# <<< ch19
 from minioverlap.server.responses import Chat, Choice, Choices, Completion, Shape
 from minioverlap.server.text import ChatTemplate
 from minioverlap.text import TextStream
@@ -114,12 +117,21 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
     async def generate(request: Request, req: GenerateRequest, shape: Shape):
         param = "messages" if isinstance(shape, Chat) else "prompt"
         ids = await asyncio.to_thread(encode, served.processor, req.prompt, param)
+        # >>> ch19 replaces ch16: SamplingParams made in a worker thread, where a grammar compiles (stalling no stream)
+        #| try:
+        #|     reqs = [served.processor.make_request(ids, p) for p in
+        #|             sampling_params(req, len(ids), served.processor.max_seq_len)]
+        params = await asyncio.to_thread(sampling_params, req, len(ids), served.processor.max_seq_len)
         try:
-            reqs = [served.processor.make_request(ids, p) for p in
-                    sampling_params(req, len(ids), served.processor.max_seq_len)]
+            reqs = [served.processor.make_request(ids, p) for p in params]
+            # <<< ch19
             rids, queue = await engine.add(reqs)
+        # >>> ch19 replaces ch16: or a grammar the engine's loop cannot follow
+        #| except RequestRejected as err:
+        #|     raise APIError(str(err), param="max_tokens", code="too_large_for_the_pool") from None
         except RequestRejected as err:
-            raise APIError(str(err), param="max_tokens", code="too_large_for_the_pool") from None
+            raise rejected(err) from None
+        # <<< ch19
         except ValueError as err:                # stop_token_ids outside the vocabulary
             raise invalid_value(err) from None
         except EngineGone as err:
@@ -147,6 +159,17 @@ def encode(processor: Processor, prompt: Prompt, param: str) -> list[int]:
     except ValueError as err:                    # empty, outside the vocabulary, or too long for the context
         too_long = "the context holds" in str(err)
         raise APIError(str(err), param=param, code="context_length_exceeded" if too_long else "invalid_prompt") from None
+
+
+# >>> ch19: a grammar the engine's loop cannot follow
+
+
+def rejected(err: RequestRejected) -> APIError:
+    """The engine's refusal: a request too large for the page pool, or a grammar its loop cannot follow."""
+    if err.field is None:
+        return APIError(str(err), param="max_tokens", code="too_large_for_the_pool")
+    return APIError(str(err), param=api_field(err.field), code="unsupported_parameter")
+# <<< ch19
 
 
 def request_number(response_id: object) -> int | None:

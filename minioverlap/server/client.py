@@ -120,10 +120,16 @@ class EngineClient:
         except asyncio.CancelledError:           # the client left before the engine answered
             self.abort_group(rids[0])
             raise
-        refused = [answer.error for answer in got if isinstance(answer, Rejected)]
+        # >>> ch19 replaces ch16: with the field that refused it
+        #| refused = [answer.error for answer in got if isinstance(answer, Rejected)]
+        #| if refused:
+        #|     self.abort_group(rids[0])
+        #|     raise RequestRejected(refused[0])
+        refused = [answer for answer in got if isinstance(answer, Rejected)]
         if refused:
             self.abort_group(rids[0])
-            raise RequestRejected(refused[0])
+            raise RequestRejected(refused[0].error, refused[0].field)
+        # <<< ch19
         return rids, queue
 
     def abort(self, rid: int) -> None:
@@ -161,3 +167,9 @@ class EngineClient:
 
 class RequestRejected(ValueError):
     """The engine refused a request that passed the HTTP side's checks (the page pool)."""
+    # >>> ch19: or a grammar its loop cannot follow: `field` names it (SamplingParams' name)
+
+    def __init__(self, error: str, field: str | None = None) -> None:
+        super().__init__(error)
+        self.field = field
+    # <<< ch19

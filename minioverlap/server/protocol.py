@@ -76,9 +76,14 @@ def content_rule(value: object) -> str:
 
 
 # Fields OpenAI has and this engine does not implement: name -> the values that mean "not asked for".
+# >>> ch19 replaces ch16: response_format is implemented (a grammar for the output)
+#| UNSUPPORTED = {"best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
+#|                "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+#|                "parallel_tool_calls": (), "response_format": ({"type": "text"},)}
 UNSUPPORTED = {"best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
                "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
-               "parallel_tool_calls": (), "response_format": ({"type": "text"},)}
+               "parallel_tool_calls": ()}
+# <<< ch19
 
 
 class Strict(BaseModel):
@@ -93,6 +98,37 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+# >>> ch19: OpenAI's response_format, a union told apart by its `type`
+
+
+class TextFormat(Strict):
+    """Plain text: no grammar."""
+    type: Literal["text"]
+
+
+class JSONObjectFormat(Strict):
+    """Any JSON object: SamplingParams(json_object=True)."""
+    type: Literal["json_object"]
+
+
+class JSONSchema(Strict):
+    """The schema the output follows, with OpenAI's name for it (its rule for names). `strict` is taken and
+    changes nothing: the grammar always holds the output to the schema."""
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] = Field(alias="schema")      # `schema` would shadow BaseModel.schema
+    description: str | None = None
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(Strict):
+    """JSON valid against a schema: SamplingParams(json_schema=the schema)."""
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
+TAGGED = {"response_format"}           # discriminated unions: pydantic puts the member's tag in an error's path
+# <<< ch19
 
 
 class Sampling(Strict):
@@ -113,6 +149,10 @@ class Sampling(Strict):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    # >>> ch19: a grammar for the output: OpenAI's response_format, or SGLang's regex
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    # <<< ch19
 
     @field_validator("top_k")
     @classmethod
@@ -140,6 +180,15 @@ class Sampling(Strict):
         if self.stream_options is not None and not self.stream:
             raise rule("invalid_value", "stream_options is only allowed when stream is true")
         return self
+    # >>> ch19: one grammar per request
+
+    @model_validator(mode="after")
+    def one_grammar(self) -> Sampling:
+        kind = self.response_format.type if self.response_format is not None else "text"
+        if self.regex is not None and kind != "text":
+            raise rule("invalid_value", f"regex cannot be given with response_format of type {kind!r}: give one")
+        return self
+    # <<< ch19
 
 
 class CompletionRequest(Sampling):
@@ -165,7 +214,9 @@ class ChatRequest(Sampling):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
+    # >>> ch19 removes ch16: response_format is both endpoints' field (Sampling)
+    #| response_format: Any = None
+    # <<< ch19
 
     @model_validator(mode="after")
     def one_limit(self) -> ChatRequest:
@@ -226,8 +277,30 @@ def chat_request(req: ChatRequest) -> GenerateRequest:
 def generate_request(req: Sampling, prompt: Prompt, max_tokens: int | None, logprobs: int | None) -> GenerateRequest:
     params = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
               "ignore_eos": req.ignore_eos, "stop_token_ids": tuple(req.stop_token_ids)}
+    # >>> ch19: the request's grammar
+    params |= grammar_params(req)
+    # <<< ch19
     include_usage = req.stream_options.include_usage if req.stream_options else False
     return GenerateRequest(prompt, max_tokens, params, req.stream, include_usage, req.n, req.stop, logprobs)
+
+
+# >>> ch19: the request's grammar
+
+
+def grammar_params(req: Sampling) -> dict:
+    """response_format and regex as SamplingParams' json_schema, json_object and regex."""
+    fmt = req.response_format
+    return {"json_schema": fmt.json_schema.schema_ if isinstance(fmt, JSONSchemaFormat) else None,
+            "json_object": isinstance(fmt, JSONObjectFormat), "regex": req.regex}
+
+
+# SamplingParams' grammar fields -> the request's field that gave them (an error names the request's)
+API_FIELDS = {"json_schema": "response_format", "json_object": "response_format", "regex": "regex"}
+
+
+def api_field(name: str) -> str:
+    return API_FIELDS.get(name, name)
+# <<< ch19
 
 
 # ---- pydantic's errors to OpenAI's
@@ -239,7 +312,11 @@ def api_error(err: ValidationError) -> APIError:
     """The first error (an unknown field first): its field as `param`, the value and the rule in the message."""
     errors = sorted(err.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
     e = errors[0]
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".") or None
+    # >>> ch19 replaces ch16: without a discriminated union's tag in the path
+    #| param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".") or None
+    loc = [p for i, p in enumerate(e["loc"]) if i == 0 or e["loc"][i - 1] not in TAGGED]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    # <<< ch19
     kind, ctx, value = e["type"], e.get("ctx", {}), e.get("input")
     if kind == "missing":
         return APIError(f"{param} is required", param=param, code="missing_required_parameter")
@@ -273,6 +350,12 @@ def bound(kind: str, ctx: dict) -> str:
         return f"at least {ctx['min_length']} item(s)"
     if kind == "too_long":
         return f"at most {ctx['max_length']} items"
+    # >>> ch19: a response_format's type and its schema's name
+    if kind in ("union_tag_invalid", "union_tag_not_found"):          # response_format, the one such union
+        return "an object whose type is 'text', 'json_object' or 'json_schema'"
+    if kind == "string_pattern_mismatch":
+        return f"a string matching {ctx['pattern']}"
+    # <<< ch19
     return kind.replace("_", " ")
 
 
@@ -311,4 +394,7 @@ def engine_params(fields: dict, stop: tuple[str, ...], logprobs: int | None) -> 
 
 def invalid_value(err: ValueError) -> APIError:
     """The engine's own errors (SamplingParams', the Processor's) begin with the field they name."""
-    return APIError(str(err), param=str(err).split()[0], code="invalid_value")
+    # >>> ch19 replaces ch16: a grammar's field named as the request names it (json_schema: response_format)
+    #| return APIError(str(err), param=str(err).split()[0], code="invalid_value")
+    return APIError(str(err), param=api_field(str(err).split()[0]), code="invalid_value")
+    # <<< ch19
