@@ -3,7 +3,8 @@ sent by the official `openai` client as a real client sends them, on /v1/complet
 The tiny model's greedy output under a schema parses and validates, whole or streamed, for each of n choices;
 under a regex it matches whole; under json_object it is a JSON object. A schema or regex xgrammar cannot
 compile, a response_format that is malformed, and a regex beside a JSON format are each a 400 naming the
-field; the server then serves as before and holds nothing."""
+field; the server then serves as before and holds nothing. Two servers: the overlap loop, and the normal loop
+with MTP."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from tests.serving import Server
 
 pytestmark = pytest.mark.process
 
-LOOP = "normal"                 # the overlap loop refuses constrained requests for now
+SERVERS = {"overlap": ["--loop", "overlap"], "normal-mtp3": ["--loop", "normal", "--mtp", "3"]}
 MODEL = "tiny"
 TIMEOUT = 30.0                  # seconds any one request may take
 PROMPT = "def fibonacci(n):"
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMAS = {
     "typed-object": {"type": "object", "required": ["name", "age"],
-                     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}},
+                     "properties": {"name": {"type": "string", "maxLength": 12},
+                                    "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
     "enum": {"enum": ["red", "green", "blue"]},
     "int-array": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
 }
@@ -37,9 +39,9 @@ def schema_format(name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name.replace("-", "_"), "schema": SCHEMAS[name]}}
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--loop", LOOP, "--max-running", "4")
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request):
+    s = Server(*SERVERS[request.param], "--max-running", "4")
     try:
         yield s
     finally:

@@ -30,7 +30,7 @@ from minioverlap.server.guards import BodyLimit, openai_errors
 from minioverlap.server.messages import Tokens
 from minioverlap.server.protocol import (APIError, ChatRequest, CompletionRequest, GenerateRequest, chat_request,
                                          completion_request, invalid_value, parse, parse_json, sampling_params)
-# >>> ch19: a grammar the engine's loop cannot follow, named as the request names it
+# >>> ch19: a grammar the engine could not compile, named as the request names it
 from minioverlap.server.protocol import api_field
 # <<< ch19
 from minioverlap.server.responses import Chat, Choice, Choices, Completion, Shape
@@ -126,7 +126,7 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
             reqs = [served.processor.make_request(ids, p) for p in params]
             # <<< ch19
             rids, queue = await engine.add(reqs)
-        # >>> ch19 replaces ch16: or a grammar the engine's loop cannot follow
+        # >>> ch19 replaces ch16: or a grammar the engine could not compile
         #| except RequestRejected as err:
         #|     raise APIError(str(err), param="max_tokens", code="too_large_for_the_pool") from None
         except RequestRejected as err:
@@ -161,14 +161,14 @@ def encode(processor: Processor, prompt: Prompt, param: str) -> list[int]:
         raise APIError(str(err), param=param, code="context_length_exceeded" if too_long else "invalid_prompt") from None
 
 
-# >>> ch19: a grammar the engine's loop cannot follow
+# >>> ch19: a grammar the engine could not compile
 
 
 def rejected(err: RequestRejected) -> APIError:
-    """The engine's refusal: a request too large for the page pool, or a grammar its loop cannot follow."""
+    """The engine's refusal: a request too large for the page pool, or a grammar it could not compile."""
     if err.field is None:
         return APIError(str(err), param="max_tokens", code="too_large_for_the_pool")
-    return APIError(str(err), param=api_field(err.field), code="unsupported_parameter")
+    return APIError(str(err), param=api_field(err.field), code="invalid_value")
 # <<< ch19
 
 

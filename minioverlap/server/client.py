@@ -167,7 +167,7 @@ class EngineClient:
 
 class RequestRejected(ValueError):
     """The engine refused a request that passed the HTTP side's checks (the page pool)."""
-    # >>> ch19: or a grammar its loop cannot follow: `field` names it (SamplingParams' name)
+    # >>> ch19: or a grammar it could not compile: `field` names it (SamplingParams' name)
 
     def __init__(self, error: str, field: str | None = None) -> None:
         super().__init__(error)

@@ -107,9 +107,8 @@ class EngineLoop:
         except ValueError as err:
             self.outbox.send(Rejected(msg.rid, str(err)))
             return
-        # >>> ch19: its grammar's matcher, compiled here against the vocabulary (by a loop that can follow it)
+        # >>> ch19: its grammar's matcher, compiled here against the vocabulary
         try:
-            self.llm.check_grammar(req.params)
             req.grammar = self.llm.processor.grammar(req.params)
         except (ValueError, RuntimeError) as err:      # RuntimeError: xgrammar's (the HTTP side compiled it)
             self.outbox.send(Rejected(msg.rid, str(err), req.params.grammar_kind))

@@ -58,7 +58,7 @@ class Accepted:
 class Rejected:
     rid: int
     error: str                        # why the engine refused it (a request too large for the page pool)
-    # >>> ch19: a grammar the engine's loop cannot follow: SamplingParams' field that asked for it
+    # >>> ch19: a grammar the engine could not compile: SamplingParams' field that asked for it
     field: str | None = None          # None: the page pool
     # <<< ch19
 
