@@ -58,6 +58,9 @@ class ModelRunner:
     # >>> ch17: the prefix cache, if init_prefix_cache made it
     tree: RadixCache | None = None
     # <<< ch17
+    # >>> ch19: whether a step's drafts are made on the host from the tokens the step before accepted
+    drafts_on_host = False
+    # <<< ch19
 
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int | None, page_size: int, max_running: int,
                  max_seq_len: int,

@@ -176,6 +176,16 @@ class Scheduler(OutputProcessorMixin):
             self.wait(last)
             return None, self.process(last)
         # <<< ch16
+        # >>> ch19: a drafter on the host (the n-gram lookup) drafts from the tokens the step in flight accepts
+        # So that step is waited for and handled before the next is built: wait N, process N, then schedule
+        # and launch N+1. The device idles from the end of step N until N+1 is launched: the lookup and
+        # the host's handling are a wait overlap cannot remove.
+        if self.runner.drafts_on_host and last is not None:
+            self.wait(last)
+            replies = self.process(last) + self.receive()
+            batch = self.schedule()
+            return (self.launch(batch) if batch is not None else None), replies
+        # <<< ch19
         # >>> exercise 06.1: the overlap loop
         replies = self.receive()
         batch = self.schedule()
