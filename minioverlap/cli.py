@@ -61,6 +61,10 @@ def generate(args: argparse.Namespace, console: Console) -> None:
     if args.mtp:
         console.print(accept_length(llm, tokens), style="dim", highlight=False, soft_wrap=True)
     # <<< ch09
+    # >>> ch19: the n-gram drafter's tokens per target pass
+    if args.ngram:
+        console.print(accept_length(llm, tokens), style="dim", highlight=False, soft_wrap=True)
+    # <<< ch19
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -73,6 +77,10 @@ def engine_options(args: argparse.Namespace) -> dict:
     # >>> ch09: MTP drafts
     options |= mtp_options(args)
     # <<< ch09
+    # >>> ch19: n-gram drafts
+    if args.ngram:
+        options["ngram_steps"] = args.ngram
+    # <<< ch19
     # >>> ch18: the step's token budget, and mixed steps
     if args.chunked_prefill_size is not None:
         options["chunked_prefill_size"] = args.chunked_prefill_size
@@ -273,6 +281,11 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--mtp", type=int, default=0, metavar="K",
                          help="drafts per step with the model's MTP layer (speculative decoding)")
     # <<< ch09
+    # >>> ch19: n-gram drafts
+    for cmd in sub.choices.values():
+        cmd.add_argument("--ngram", type=int, default=0, metavar="K",
+                         help="drafts per step looked up in the request's own tokens (prompt lookup decoding, chapter 19)")
+    # <<< ch19
     # >>> ch18: the step's token budget, and mixed steps
     for cmd in sub.choices.values():
         cmd.add_argument("--chunked-prefill-size", type=int, metavar="N",

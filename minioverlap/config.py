@@ -55,6 +55,9 @@ class EngineArgs:
     chunked_prefill_size: int | None = None   # prompt tokens a step may run; None: the device's (below); -1: no budget
     mixed_chunk: bool = False                 # True: a prefill step carries the running requests' decode rows
     # <<< ch18
+    # >>> ch19: the n-gram drafter on the host
+    ngram_steps: int = 0                      # > 0: an n-gram lookup in the request's own tokens drafts that many per step
+    # <<< ch19
 
     def __post_init__(self) -> None:
         """Check every option as it is given, each chapter's by its own rules (CHECKS, at the end of
@@ -190,6 +193,25 @@ def chunk_size(args: EngineArgs) -> int | None:
         return GPU_CHUNK if str(args.device).startswith("cuda") else CPU_CHUNK
     return None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
 # <<< ch18
+# >>> ch19: the n-gram drafter on the host
+
+MAX_NGRAM_STEPS = 16                   # drafts per step; a lookup rarely matches further than a few
+
+
+def check_ngram_steps(args: EngineArgs) -> None:
+    """ngram_steps: an integer (not a bool) in [0, MAX_NGRAM_STEPS]; one drafter at a time, and no mixed
+    steps (a verify window does not mix with prompt rows, as with MTP)."""
+    steps = _integer("ngram_steps", args.ngram_steps, f"an integer in [0, {MAX_NGRAM_STEPS}]",
+                     lambda k: 0 <= k <= MAX_NGRAM_STEPS)
+    object.__setattr__(args, "ngram_steps", steps)
+    if args.ngram_steps and args.mtp_steps:
+        raise ValueError(f"ngram_steps={args.ngram_steps} and mtp_steps={args.mtp_steps}: one drafter at a time "
+                         "(the n-gram lookup or the MTP layer): pass one of them")
+    if args.ngram_steps and args.mixed_chunk:
+        raise ValueError(f"mixed_chunk=True with ngram_steps={args.ngram_steps}: every decode step is a verify "
+                         f"step, a window of {args.ngram_steps + 1} tokens per request, and a prefill's rows do not "
+                         "mix with windows: pass one of them")
+# <<< ch19
 
 
 CHECKS = [
@@ -212,4 +234,7 @@ CHECKS = [
     # >>> ch18: chunked prefill and mixed steps
     check_chunking,
     # <<< ch18
+    # >>> ch19: the n-gram drafter on the host
+    check_ngram_steps,
+    # <<< ch19
 ]

@@ -49,6 +49,9 @@ from minioverlap.engine.backend import backend
 # >>> ch18: chunked prefill
 from minioverlap.config import chunk_size
 # <<< ch18
+# >>> ch19: the n-gram drafter on the host
+from minioverlap.speculative.ngram import NgramRunner
+# <<< ch19
 
 class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
@@ -116,6 +119,10 @@ class LLM:
         if self.args.mtp_steps:
             return SpecRunner(self.model, self.load_drafter(), self.args.mtp_steps, **sizes)
         # <<< ch09
+        # >>> ch19: the n-gram drafter: a lookup on the host, no drafter model
+        if self.args.ngram_steps:
+            return NgramRunner(self.model, self.args.ngram_steps, **sizes)
+        # <<< ch19
         return ModelRunner(self.model, **sizes)
     # <<< ch02
     # >>> ch09: the MTP drafter

@@ -39,7 +39,8 @@ EOS = 0                                                 # the tiny model's <|end
 
 
 CONFIGS = {"normal": dict(overlap=False), "overlap": dict(overlap=True),
-           "normal-mtp3": dict(overlap=False, mtp_steps=3), "overlap-mtp3": dict(overlap=True, mtp_steps=3)}
+           "normal-mtp3": dict(overlap=False, mtp_steps=3), "overlap-mtp3": dict(overlap=True, mtp_steps=3),
+           "overlap-ngram3": dict(overlap=True, ngram_steps=3)}
 
 
 @pytest.fixture(scope="module", params=CONFIGS)

@@ -176,7 +176,9 @@ class Scheduler(OutputProcessorMixin):
             self.wait(last)
             return None, self.process(last)
         # <<< ch16
-        # >>> ch19: a step the runner builds from the last step's tokens on the host: that step is handled first
+        # >>> ch19: a step the runner builds from the tokens the step in flight accepts: that step is handled first
+        # (a drafter on the host drafts from them; MTP's constrained windows are masked by them). The device
+        # idles from the end of step N until N+1 is launched: a wait overlap cannot remove.
         if last is not None and self.runner.waits_for_host(self.running):
             self.wait(last)
             return None, self.process(last)
