@@ -147,11 +147,6 @@ def test_a_bad_option_is_refused_with_its_name_value_and_limit(options, message)
         LLM(**options)
 
 
-def test_a_grammar_is_refused_with_ngram():
-    with pytest.raises(ValueError, match="needs ngram_steps=0 for now, got ngram_steps=3"):
-        LLM(overlap=False, ngram_steps=3).generate(["x"], SamplingParams(max_tokens=4, regex="[0-9]+"))
-
-
 @pytest.mark.parametrize("command", [["generate", "hello"], ["trace"], ["serve"]])
 def test_the_command_line_passes_ngram(command):
     args = parser().parse_args([*command, "--ngram", "3"])
