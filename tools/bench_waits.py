@@ -1,0 +1,128 @@
+"""The waits overlap cannot remove (chapter 19), measured on this machine: a grammar's masks and the n-gram
+drafter's lookup, at batch 1 and 16, in the normal loop and in the overlap loop.
+
+    python tools/bench_waits.py                                   # prints the table
+    python tools/bench_waits.py --json chapters/figures/19-cpu-waits.json
+
+Every case runs the same prompts (bench_cpu.py's 16 code prompts, or the first of them at batch 1), greedy,
+and each request makes exactly --tokens new tokens, so that the cases do the same work:
+
+    free      no grammar, no drafter: the plain step (the baseline)
+    grammar   every request follows a regex that cannot end before --tokens tokens ([0-9a-z_,.]{400}):
+              each step fills a row of the mask per request on the host. `mask us` is the host time of
+              that fill (xgrammar's fill_next_token_bitmask for every constrained request) per step. In the
+              overlap loop it is the put-off sample's wait: the time from the step before handled to this
+              step's sample queued is the `process` and `mask` phases, which a GPU hides under the forward
+              it launched first as long as they take less than it
+    ngram     the n-gram drafter, --drafts drafts a step (ignore_eos, the same tokens as `free`): `lookup
+              us` is the host time of a step's lookups; the accept length is tokens per verify pass. The
+              overlap loop handles each step before the next is built (its trace: no launch before the
+              wait), so its steps equal the normal loop's
+
+Each case is warmed up once and run --repeats times; the table gives the median. On a CPU a step's
+forward runs when it is launched (there is no device to queue it on), so no loop can hide anything
+here: the numbers are the host's costs, which on a GPU decide whether a wait is hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import PROMPTS  # noqa: E402  (the shipped benchmark prompts)
+
+from minioverlap import LLM, SamplingParams  # noqa: E402
+from minioverlap.constrained import grammar  # noqa: E402
+
+REGEX = r"[0-9a-z_,.]{400}"             # no end before 400 characters: every request runs --tokens tokens
+
+
+class FillTimer:
+    """Wraps grammar.token_bitmask (the sampler imports it at each call) to add up its host time."""
+
+    def __init__(self) -> None:
+        self.ns, self.calls, self.inner = 0, 0, grammar.token_bitmask
+
+    def __call__(self, *args):
+        start = time.perf_counter_ns()
+        try:
+            return self.inner(*args)
+        finally:
+            self.ns += time.perf_counter_ns() - start
+            self.calls += 1
+
+
+def run_case(kind: str, batch: int, overlap: bool, args: argparse.Namespace) -> dict:
+    """One case: the median of --repeats runs after a warm-up -> its row of the table."""
+    options = dict(overlap=overlap, max_running=16, chunked_prefill_size=-1, prefix_cache=False)
+    if kind == "ngram":
+        options["ngram_steps"] = args.drafts
+    llm = LLM(**options)
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, regex=REGEX if kind == "grammar" else None)
+    prompts = PROMPTS[:batch]
+    timer = FillTimer()
+    grammar.token_bitmask = timer
+    try:
+        runs = []
+        for i in range(args.repeats + 1):
+            timer.ns = timer.calls = 0
+            if kind == "ngram":
+                llm.runner.lookup_ns.clear()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            wall = time.perf_counter() - start
+            assert all(len(o.token_ids) == args.tokens for o in outs), [len(o.token_ids) for o in outs]
+            steps = len({e.step for e in llm.trace})
+            runs.append(dict(wall=wall, steps=steps, phases=llm.trace.phase_times_us(), mask_ns=timer.ns,
+                             fills=timer.calls, lookup=list(getattr(llm.runner, "lookup_ns", [])), outs=outs))
+    finally:
+        grammar.token_bitmask = timer.inner
+    runs = runs[1:]
+    tokens = batch * args.tokens
+    row = dict(case=f"b{batch}-{'overlap' if overlap else 'normal'}-{kind}", kind=kind, batch=batch,
+               loop="overlap" if overlap else "normal", tokens=tokens,
+               tok_s=round(statistics.median(tokens / r["wall"] for r in runs), 1),
+               ms_step=round(statistics.median(r["wall"] / r["steps"] * 1e3 for r in runs), 3),
+               phases_us={k: round(statistics.median(r["phases"].get(k, 0.0) for r in runs), 1)
+                          for k in runs[0]["phases"]})
+    if kind == "grammar":
+        row["mask_us"] = round(statistics.median(r["mask_ns"] / r["fills"] / 1e3 for r in runs), 1)
+        row["mask_us_per_req"] = round(row["mask_us"] / batch, 1)
+    if kind == "ngram":
+        row["lookup_us"] = round(statistics.median(statistics.mean(r["lookup"]) / 1e3 for r in runs), 1)
+        row["lookup_us_per_req"] = round(row["lookup_us"] / batch, 1)
+        outs = runs[-1]["outs"]
+        row["accept_len"] = round(sum(len(o.token_ids) for o in outs) / sum(o.verify_steps for o in outs), 2)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per request (default 64)")
+    ap.add_argument("--drafts", type=int, default=3, help="the n-gram drafter's drafts a step (default 3)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per case, after one warm-up (default 3)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--json", type=Path, help="write the results there (chapters/figures/19-cpu-waits.json)")
+    args = ap.parse_args()
+    rows = [run_case(kind, batch, overlap, args) for batch in args.batches for kind in ("free", "grammar", "ngram")
+            for overlap in (False, True)]
+    print(f"{'case':<22}{'tok/s':>8}{'ms/step':>9}{'mask us':>9}{'lookup us':>11}{'accept':>8}  phases (us)")
+    for r in rows:
+        phases = " ".join(f"{k} {v:.0f}" for k, v in r["phases_us"].items())
+        print(f"{r['case']:<22}{r['tok_s']:>8.1f}{r['ms_step']:>9.2f}{r.get('mask_us', float('nan')):>9.1f}"
+              f"{r.get('lookup_us', float('nan')):>11.1f}{r.get('accept_len', float('nan')):>8.2f}  {phases}")
+    if args.json:
+        created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S%z")
+        args.json.write_text(json.dumps(dict(tool="tools/bench_waits.py", created=created, argv=sys.argv[1:], device="cpu",
+                                             model="tiny", tokens=args.tokens, drafts=args.drafts, repeats=args.repeats,
+                                             regex=REGEX, results=rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
