@@ -86,6 +86,22 @@ def test_constrained_tokens_equal_the_normal_loop_s(llm, normal_tokens):
     llm.check_integrity()
 
 
+def test_a_constrained_request_that_arrives_mid_run_equals_the_normal_loop_s(llm, normal_tokens):
+    """A free stream runs; after its third token a constrained request arrives (its prefill launched while a
+    step is in flight, a step it is not in: its first mask is ready), then more decode steps hold both.
+    Its tokens are the normal loop's alone, and the stream's its own alone."""
+    free = SamplingParams(max_tokens=24)
+    alone = llm.generate(FREE[0], free)[0].token_ids
+    tokens: dict[int, list[int]] = {}
+    for reply in llm.stream(FREE[0], free):
+        tokens.setdefault(reply.uid, []).extend(reply.token_ids)
+        if len(tokens) == 1 and len(tokens[reply.uid]) >= 3:
+            tokens[llm.add_request(PROMPTS[0], SamplingParams(max_tokens=64, json_schema=SCHEMAS["typed-object"]))] = []
+    first, late = sorted(tokens)
+    assert tokens[first] == alone and tokens[late] == normal_tokens["typed-object"][0]
+    llm.check_integrity()
+
+
 def events(trace, kinds=("schedule", "launch", "wait", "process", "reply", "mask")) -> list[tuple[str, int]]:
     return [(e.kind, e.step) for e in trace if e.kind in kinds]
 

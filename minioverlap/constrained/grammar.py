@@ -8,14 +8,16 @@ which tokens may come next. Three pieces:
     GrammarBackend   one per engine: the vocabulary as xgrammar reads it (its TokenizerInfo, built once)
                      and a GrammarCompiler that keeps what it compiled (the same schema compiles once)
     Grammar          one per request: a GrammarMatcher over its compiled grammar. It fills the request's
-                     row of a token bitmask, accepts each token the request takes, rolls back, and says
-                     when it has terminated (it took a stop token where the grammar may end)
+                     row of a token bitmask (or a verify window's rows, walking along the drafts and
+                     back), accepts each token the request takes, and says when it has terminated (it
+                     took a stop token where the grammar may end)
     token_bitmask    a step's mask on the host: a row per request, ceil(vocab / 32) int32 words, bit t of
-                     a row set if token t is allowed; a free request's row is all ones. apply_bitmask
-                     turns each forbidden token's logit into -inf on the logits' device, before sampling
+                     a row set if token t is allowed; a free request's row is all ones. `masked` makes a
+                     copy of the logits with each forbidden token's logit -inf, on the logits' device
 
 The mask of a request depends on every token it has taken, so it is filled on the host once the step
-before has been handled: in the normal loop, while the step's forward runs.
+before has been handled: in the normal loop when the step is launched; in the overlap loop, where the
+next step is launched first, its sample is put off until then (Scheduler.launch_step).
 
 JSON schemas compile to the compact form, one line with json.dumps's separators (", ", ": "), and no
 whitespace elsewhere: a grammar that allowed any whitespace would let a small model's greedy output
@@ -109,10 +111,6 @@ class Grammar:
     def accept(self, token: int) -> bool:
         """Advance by a token the request took; False (and no change) if the grammar forbids it."""
         return self.matcher.accept_token(token)
-
-    def rollback(self, n: int) -> None:
-        """Undo the last n tokens accepted."""
-        self.matcher.rollback(n)
 
     def is_terminated(self) -> bool:
         """Whether it has taken a stop token where the grammar may end: the request is done."""

@@ -138,13 +138,6 @@ class ForwardBatch:
         return [(r.row, i) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < len(r.prompt_ids)
                 for i in range(p, p + n)]
     # <<< ch18
-    # >>> ch19: grammar-constrained output
-
-    @cached_property
-    def constrained(self) -> bool:
-        """Whether a request of the step follows a grammar: its sample needs masks from every token it has taken."""
-        return any(r.grammar is not None for r in self.reqs)
-    # <<< ch19
     # >>> ch09: MTP: a verify step's window in token_pool
 
     def window_cells(self, start: int, end: int) -> list[tuple[int, int]]:

@@ -301,9 +301,12 @@ class Scheduler(OutputProcessorMixin):
     # >>> ch19: the sample a constrained step put off
 
     def launch_step(self, batch: ForwardBatch) -> StepOutput:
-        """The runner launches the step; a constrained step launched while the step before is in flight, its
-        forward alone: its masks need that step's tokens, so its sample waits for it (sample_put_off)."""
-        if self.in_flight and batch.constrained:
+        """The runner launches the step; if a constrained request of it is also in the step in flight, its
+        forward alone: that request's mask needs the token the step in flight gives it, so the step's sample
+        waits until that step is handled (sample_put_off). A request new to the batch has taken no token
+        yet: its mask is ready."""
+        in_flight = {r for out in self.in_flight for r in out.batch.reqs}
+        if any(r.grammar is not None and r in in_flight for r in batch.reqs):
             return self.runner.launch_forward(batch, self.step)
         return self.runner.launch(batch, self.step)
 
