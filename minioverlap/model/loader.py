@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+# >>> ch20: read_tensors' reader
+from collections.abc import Callable
+from typing import Any
+# <<< ch20
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -189,7 +193,11 @@ def check_shapes(files: dict[str, Path], expected: dict[str, tuple[int, ...]], t
                                   f"config.json implies {list(shape)}")
 
 
-def read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+def read_tensors(files: dict[str, Path], names: list[str],
+                 # >>> ch20: how one tensor is read (a tensor-parallel rank reads only its slice)
+                 read: Callable[[Any, str], torch.Tensor] = lambda f, name: f.get_tensor(name),
+                 # <<< ch20
+                 ) -> dict[str, torch.Tensor]:
     """Read the named tensors, opening each shard once."""
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted({files[n] for n in names}):
@@ -200,7 +208,10 @@ def read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, torch.Te
             for name in (n for n in names if files[n] == path):
                 if name not in held:
                     raise CheckpointError(f"{path}: the index puts tensor {name!r} in this file, which does not hold it")
-                tensors[name] = f.get_tensor(name)
+                # >>> ch20 replaces ch01: through `read`
+                #| tensors[name] = f.get_tensor(name)
+                tensors[name] = read(f, name)
+                # <<< ch20
     return tensors
 
 

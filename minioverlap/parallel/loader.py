@@ -1,0 +1,80 @@
+# >>> ch20 file: loading a checkpoint as one rank's shards
+"""Loading a Qwen3 checkpoint as one tensor-parallel rank's shards.
+
+Each rank reads from the safetensors files only its own slice of each tensor: safetensors' `get_slice`
+reads the bytes of the rows (or columns) asked for, never the whole tensor, so a rank of an 8-way group
+reads about an eighth of the model (plus the replicated norms). Which slice is the layer's business: a
+parallel layer's `weight_slice` (layers.py) indexes its shard in the full tensor.
+
+The checks are model/loader.py's: every tensor the config implies is present, none is unexpected, and
+each has the full shape the config implies, checked from the file's header before any slice is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minioverlap.model.loader import CheckpointError, check_shapes, is_mtp_tensor, load_config, read_tensors, weight_files
+from minioverlap.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from minioverlap.parallel.group import TPGroup
+from minioverlap.parallel.model import TPQwen3ForCausalLM
+
+ALL = (slice(None),)
+
+
+def shard_index(model: nn.Module, name: str) -> tuple[slice, ...]:
+    """The index of parameter `name`'s shard in the full checkpoint tensor: its layer's weight_slice, or
+    the whole tensor for a replicated one (the norms)."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    return getattr(module, "weight_slice", ALL)
+
+
+def check_names(model_dir: Path, config: Qwen3Config, files: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:
+    """load_model's check of names: no tensor the config does not describe, none it implies missing."""
+    for name, path in files.items():
+        if name not in expected and not is_mtp_tensor(name, config) and not (name == "lm_head.weight" and config.tie_word_embeddings):
+            raise CheckpointError(f"{path}: unexpected tensor {name!r}; config.json describes no such weight")
+    missing = [name for name in expected if name not in files]
+    if missing:
+        raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} with shape {list(expected[missing[0]])} is missing"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def read_shards(files: dict[str, Path], expected: dict[str, tuple[int, ...]], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each expected tensor's shard, read from its file without the rest of the tensor."""
+
+    def read_shard(f, name: str) -> torch.Tensor:
+        part = f.get_slice(name)
+        full = torch.empty(part.get_shape(), device="meta")         # the full shape, from the file's header
+        check_shapes(files, {name: expected[name]}, {name: full})
+        return part[shard_index(model, name)]
+
+    return read_tensors(files, list(expected), read=read_shard)
+
+
+def load_tp_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device, group: TPGroup) -> TPQwen3ForCausalLM:
+    """This rank's TPQwen3ForCausalLM from config.json, each parameter filled with its shard."""
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = TPQwen3ForCausalLM(config, group)
+        full = Qwen3ForCausalLM(config)                          # the checkpoint's shapes, on no memory
+    expected = {name: tuple(p.shape) for name, p in full.state_dict().items()}
+    if config.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    files = weight_files(model_dir)
+    check_names(model_dir, config, files, expected)
+    if config.tie_word_embeddings and "lm_head.weight" in files:     # some exporters write the tied head anyway
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    shards = read_shards(files, expected, model)
+    head = shards.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+    if head is not None and not torch.equal(head, shards["model.embed_tokens.weight"]):
+        raise CheckpointError(f"{files['lm_head.weight']}: config.json ties the head to the embedding, "
+                              "but tensor 'lm_head.weight' differs from 'model.embed_tokens.weight'")
+    state = {name: t.to(device=device, dtype=dtype) for name, t in shards.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
