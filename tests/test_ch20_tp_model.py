@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from safetensors.torch import load_file, save_file
+
+from conftest import random_checkpoint
 from minioverlap.engine.model_runner import ModelRunner
-from minioverlap.model.loader import load_config, load_model, resolve_model_dir
+from minioverlap.model.loader import CheckpointError, load_config, load_model, resolve_model_dir
 from minioverlap.parallel.group import TPGroup, init_group
 from minioverlap.parallel.layers import kv_head_range, shard_range
 from minioverlap.parallel.loader import load_tp_model
@@ -26,15 +29,17 @@ RANKS_TIMEOUT_S = 120
 
 def prompt_logits(model) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's final hidden states [T, hidden] and fp32 logits [T, vocab], in one prefill."""
-    ids, positions = torch.tensor(PROMPT), torch.arange(len(PROMPT))
+    ids = torch.tensor(PROMPT) % model.config.vocab_size
+    positions = torch.arange(len(PROMPT))
     with torch.inference_mode():
         hidden = model(ids, positions, ContiguousCache(model, len(PROMPT)))
         return hidden, model.compute_logits(hidden)
 
 
-def rank_main(rank: int, world_size: int, init_method: str, out_dir: Path) -> None:
+def rank_main(rank: int, world_size: int, init_method: str, out_dir: Path, other: Path) -> None:
     """One rank: load the tiny model's shards, run the prompt and greedy decoding (contiguous and paged),
-    sum a bf16 tensor over the group; write what it saw to out_dir/rank{rank}.pt."""
+    sum a bf16 tensor over the group; load the other checkpoint's shards and run the prompt; write what
+    it saw to out_dir/rank{rank}.pt."""
     torch.set_num_threads(1)
     group = init_group(rank, world_size, init_method, "cpu", timeout_s=60)
     try:
@@ -45,16 +50,17 @@ def rank_main(rank: int, world_size: int, init_method: str, out_dir: Path) -> No
                 "contiguous": greedy_generate(model, PROMPT, NEW_TOKENS),
                 "paged": paged_greedy_generate(runner, PROMPT, NEW_TOKENS),
                 "bf16_sum": group.all_reduce(torch.full((4,), rank + 1.0, dtype=torch.bfloat16)),
-                "inbox": group.broadcast_object(["request", rank] if rank == 0 else None)}
+                "inbox": group.broadcast_object(["request", rank] if rank == 0 else None),
+                "other_logits": prompt_logits(load_tp_model(other, torch.float32, "cpu", group))[1]}
         torch.save(seen, out_dir / f"rank{rank}.pt")
     finally:
         group.destroy()
 
 
-def run_ranks(world_size: int, tmp_path: Path, main=rank_main) -> list[dict]:
+def run_ranks(world_size: int, tmp_path: Path, other: Path, main=rank_main) -> list[dict]:
     """Spawn world_size ranks of main; a rank's exception fails the test with its traceback, and ranks still
     running after RANKS_TIMEOUT_S are killed."""
-    ranks = mp.spawn(main, args=(world_size, f"file://{tmp_path / 'rendezvous'}", tmp_path),
+    ranks = mp.spawn(main, args=(world_size, f"file://{tmp_path / 'rendezvous'}", tmp_path, other),
                      nprocs=world_size, join=False)
     deadline = time.monotonic() + RANKS_TIMEOUT_S
     try:
@@ -70,31 +76,41 @@ def run_ranks(world_size: int, tmp_path: Path, main=rank_main) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
+def other_checkpoint(tmp_path_factory) -> Path:
+    """A random checkpoint unlike tiny: an untied LM head, 8 query heads on 4 KV heads, shards listed in
+    an index, norms that are not ones."""
+    return random_checkpoint(tmp_path_factory.mktemp("other"), seed=20, num_attention_heads=8, num_key_value_heads=4,
+                             shard_size="60KB", norm_noise=0.1)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory, other_checkpoint):
     """run_ranks(tp_size), run once per tp_size for the whole module."""
     runs: dict[int, list[dict]] = {}
 
     def run(tp_size: int) -> list[dict]:
         if tp_size not in runs:
-            runs[tp_size] = run_ranks(tp_size, tmp_path_factory.mktemp(f"tp{tp_size}"))
+            runs[tp_size] = run_ranks(tp_size, tmp_path_factory.mktemp(f"tp{tp_size}"), other_checkpoint)
         return runs[tp_size]
 
     return run
 
 
 @pytest.fixture(scope="module")
-def single_device() -> dict:
+def single_device(other_checkpoint) -> dict:
     """The single-device model's prompt logits and greedy tokens: what every rank must reproduce."""
     model = load_model(resolve_model_dir("tiny"), torch.float32, "cpu")
     hidden, logits = prompt_logits(model)
-    return {"hidden": hidden, "logits": logits, "tokens": greedy_generate(model, PROMPT, NEW_TOKENS)}
+    other = prompt_logits(load_model(other_checkpoint, torch.float32, "cpu"))[1]
+    return {"hidden": hidden, "logits": logits, "tokens": greedy_generate(model, PROMPT, NEW_TOKENS), "other_logits": other}
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tp_ranks_compute_the_single_device_logits(tp_size, tp_run, single_device):
     """On 2 ranks (KV heads split) and 4 (KV heads copied), every rank's full-vocabulary logits equal
     the single-device model's within 1e-4 in fp32, and greedy decoding, contiguous or paged, gives its
-    tokens; the KV pool holds only the rank's KV heads."""
+    tokens; the KV pool holds only the rank's KV heads. The same for a checkpoint with an untied head,
+    sharded files and 4 KV heads."""
     seen = tp_run(tp_size)
     for rank, out in enumerate(seen):
         diff = (out["logits"] - single_device["logits"]).abs().max().item()
@@ -106,6 +122,7 @@ def test_tp_ranks_compute_the_single_device_logits(tp_size, tp_run, single_devic
         assert out["kv_heads"] == max(1, 2 // tp_size)
         assert torch.equal(out["logits"], seen[0]["logits"]), "every rank must sample from the same scores"
         assert out["inbox"] == ["request", 0]
+        torch.testing.assert_close(out["other_logits"], single_device["other_logits"], atol=1e-4, rtol=0)
     print(f"tp {tp_size}: max |logits - single device| = "
           f"{max((o['logits'] - single_device['logits']).abs().max().item() for o in seen):.2e}")
 
@@ -115,7 +132,7 @@ def test_tp_all_reduce_sums_bf16(tp_run):
     assert all(torch.equal(out["bf16_sum"], torch.full((4,), 3.0, dtype=torch.bfloat16)) for out in tp_run(2))
 
 
-def rank_that_fails(rank: int, world_size: int, init_method: str, out_dir: Path) -> None:
+def rank_that_fails(rank: int, world_size: int, init_method: str, out_dir: Path, other: Path) -> None:
     """Rank 1 raises before the collective that rank 0 waits in."""
     group = init_group(rank, world_size, init_method, "cpu", timeout_s=60)
     if rank == 1:
@@ -127,7 +144,7 @@ def test_a_failing_rank_fails_the_run_with_its_traceback(tmp_path):
     """A rank's exception ends the run at once, its traceback in the error, and no rank is left waiting."""
     started = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 cannot load its shard"):
-        run_ranks(2, tmp_path, main=rank_that_fails)
+        run_ranks(2, tmp_path, tmp_path, main=rank_that_fails)
     assert time.monotonic() - started < 30
 
 
@@ -180,3 +197,15 @@ def test_one_rank_loads_the_single_device_model_exactly():
     reference = load_model(resolve_model_dir("tiny"), torch.float32, "cpu")
     assert sorted(model.state_dict()) == sorted(reference.state_dict())
     assert torch.equal(prompt_logits(model)[1], prompt_logits(reference)[1])
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_before_a_slice_is_read(tmp_path):
+    """The sharded loader checks each tensor's full shape from the file's header, as load_model does:
+    a k_proj with one KV head where config.json says two is a CheckpointError naming both shapes."""
+    tiny = resolve_model_dir("tiny")
+    tensors = load_file(tiny / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:64]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((tiny / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"k_proj.weight' has shape \[64, 256\], config.json implies \[128, 256\]"):
+        load_tp_model(tmp_path, torch.float32, "cpu", TPGroup(tp_rank=1, tp_size=2))
