@@ -58,6 +58,9 @@ class EngineArgs:
     # >>> ch19: the n-gram drafter on the host
     ngram_steps: int = 0                      # > 0: an n-gram lookup in the request's own tokens drafts that many per step
     # <<< ch19
+    # >>> ch20: several devices
+    tp_size: int = 1                          # > 1: tensor parallelism over that many ranks (NCCL; gloo on a CPU)
+    # <<< ch20
 
     def __post_init__(self) -> None:
         """Check every option as it is given, each chapter's by its own rules (CHECKS, at the end of
@@ -143,7 +146,10 @@ def check_cuda_graphs(args: EngineArgs) -> None:
 
 
 def use_cuda_graphs(args: EngineArgs) -> bool:
-    return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda")
+    # >>> ch20 replaces ch13: and not with several ranks (check_tp_size)
+    #| return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda")
+    return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda") and args.tp_size == 1
+    # <<< ch20
 # <<< ch13
 # >>> ch15: the fast path
 
@@ -159,7 +165,10 @@ def check_kernels(args: EngineArgs) -> None:
 
 
 def use_kernels(args: EngineArgs) -> bool:
-    return args.kernels if args.kernels is not None else str(args.device).startswith("cuda")
+    # >>> ch20 replaces ch15: and not with several ranks (check_tp_size)
+    #| return args.kernels if args.kernels is not None else str(args.device).startswith("cuda")
+    return args.kernels if args.kernels is not None else str(args.device).startswith("cuda") and args.tp_size == 1
+    # <<< ch20
 # <<< ch15
 
 # >>> ch18: chunked prefill and mixed steps
@@ -212,6 +221,23 @@ def check_ngram_steps(args: EngineArgs) -> None:
                          f"step, a window of {args.ngram_steps + 1} tokens per request, and a prefill's rows do not "
                          "mix with windows: pass one of them")
 # <<< ch19
+# >>> ch20: several devices
+
+MAX_TP_SIZE = 8                        # ranks: one process and one device each
+
+
+def check_tp_size(args: EngineArgs) -> None:
+    """tp_size: an integer in [1, MAX_TP_SIZE]. What has no tensor-parallel form here yet is refused with
+    it: MTP's drafter (its layer is not sharded), the fast path (its merged projections are the whole
+    model's) and CUDA graphs (gloo's collectives cannot be captured; NCCL's are untested here)."""
+    tp = _integer("tp_size", args.tp_size, f"an integer in [1, {MAX_TP_SIZE}]", lambda n: 1 <= n <= MAX_TP_SIZE)
+    object.__setattr__(args, "tp_size", tp)
+    unsharded = {"mtp_steps": args.mtp_steps, "kernels": args.kernels, "cuda_graphs": args.cuda_graphs}
+    given = [f"{name}={value}" for name, value in unsharded.items() if value]
+    if tp > 1 and given:
+        raise ValueError(f"tp_size={tp} with {given[0]}: tensor parallelism runs the reference path, eagerly, "
+                         "without MTP, for now: pass tp_size=1 or leave that option out")
+# <<< ch20
 
 
 CHECKS = [
@@ -237,4 +263,7 @@ CHECKS = [
     # >>> ch19: the n-gram drafter on the host
     check_ngram_steps,
     # <<< ch19
+    # >>> ch20: several devices
+    check_tp_size,
+    # <<< ch20
 ]

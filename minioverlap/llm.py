@@ -52,11 +52,21 @@ from minioverlap.config import chunk_size
 # >>> ch19: the n-gram drafter on the host
 from minioverlap.speculative.ngram import NgramRunner
 # <<< ch19
+# >>> ch20: several devices
+from minioverlap.model.qwen3 import Qwen3ForCausalLM
+from minioverlap.parallel.group import TPGroup
+from minioverlap.parallel.loader import load_tp_model
+from minioverlap.parallel.ranks import Ranks, share_inbox
+# <<< ch20
 
 class LLM:
     """Load a checkpoint and generate from prompts (text or token ids)."""
 
-    def __init__(self, model: str = "tiny", **options) -> None:
+    def __init__(self, model: str = "tiny",
+                 # >>> ch20: a rank's engine is given its group (Ranks starts it, in the rank's process)
+                 _group: TPGroup | None = None,
+                 # <<< ch20
+                 **options) -> None:
         """Load the checkpoint and build the engine: the runner (the model, the page pool, the tables), from
         chapter 13 its graphs, from chapter 17 its prefix cache, and the scheduler (from chapter 18 with the
         step's budget of prompt tokens). `options` are the fields
@@ -65,10 +75,17 @@ class LLM:
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(self.args.device)
         self.dtype = _resolve_dtype(self.args.dtype, self.device, self.model_dir)
+        # >>> ch20: with tp_size > 1, rank 0 (this process) starts the other ranks, each loading its shard
+        self.ranks = Ranks(model, options, self.args.tp_size, self.device) if self.args.tp_size > 1 and not _group else None
+        self.group = _group or (self.ranks.group if self.ranks else TPGroup.single())
+        # <<< ch20
         # >>> ch15 replaces ch01: the fast path or the reference, chosen once (kernels=None: on for CUDA, off for CPU)
         #| self.model = load_model(self.model_dir, self.dtype, self.device)
         self.backend = backend(use_kernels(self.args))
-        self.model = load_model(self.model_dir, self.dtype, self.device, self.backend.model)
+        # >>> ch20 replaces ch15: or this rank's shard of it
+        #| self.model = load_model(self.model_dir, self.dtype, self.device, self.backend.model)
+        self.model = self.load_model()
+        # <<< ch20
         # <<< ch15
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -101,6 +118,19 @@ class LLM:
         self.scheduler.chunked_prefill_size = chunk_size(self.args)
         self.scheduler.mixed_chunk = self.args.mixed_chunk
         # <<< ch18
+        # >>> ch20: one scheduler per rank, each taking rank 0's inbox before every iteration
+        if self.group.tp_size > 1:
+            self.scheduler.share = share_inbox(self.group, self.processor)
+            self.scheduler.following = self.group.tp_rank > 0
+        # <<< ch20
+    # >>> ch20: this rank's shard
+
+    def load_model(self) -> Qwen3ForCausalLM:
+        """The whole model, or with several ranks this rank's shard of every layer, read as a shard."""
+        if self.group.tp_size > 1:
+            return load_tp_model(self.model_dir, self.dtype, self.device, self.group)
+        return load_model(self.model_dir, self.dtype, self.device, self.backend.model)
+    # <<< ch20
     # >>> ch02: the paged cache
 
     def make_runner(self) -> ModelRunner:
@@ -219,7 +249,10 @@ class LLM:
         try:
             yield from replies
         except BaseException:                    # GeneratorExit (the consumer left) included
-            self.scheduler.abandon()
+            # >>> ch20 replaces ch04: a rank that failed ends the engine, with its error
+            #| self.scheduler.abandon()
+            self.abandon()
+            # <<< ch20
             raise
         finally:
             self.serving = False
@@ -235,7 +268,26 @@ class LLM:
     # <<< ch04
 
     def shutdown(self) -> None:
-        """Nothing to stop: the engine runs in the caller's thread, step by step."""
+        """Nothing to stop: the engine runs in the caller's thread, step by step. From chapter 20 the
+        other ranks' processes are stopped."""
+        # >>> ch20: the other ranks
+        if self.ranks is not None:
+            self.ranks.shutdown(self.scheduler.share)
+            self.ranks = None
+        # <<< ch20
+    # >>> ch20: a rank that failed
+
+    def abandon(self) -> None:
+        """Abandon the run (Scheduler.abandon); if that fails because another rank failed or died, stop the
+        ranks and raise RankFailed with what went wrong there."""
+        try:
+            self.scheduler.abandon()
+        except Exception:
+            failure = self.ranks.failure() if self.ranks is not None else None
+            if failure is None:
+                raise
+            self.ranks.fail(failure)
+    # <<< ch20
 
 
 def _engine_args(model: str, options: dict) -> EngineArgs:

@@ -73,6 +73,11 @@ class Scheduler(OutputProcessorMixin):
         self.chunked_prefill_size: int | None = None
         self.mixed_chunk = False
         # <<< ch18
+        # >>> ch20: the ranks: every rank's inbox becomes rank 0's before each iteration (identity with one rank)
+        self.share: Callable[[list], list] = lambda items: items
+        self.following = False                  # a rank other than 0: it runs until rank 0 says stop
+        self.stopped = False
+        # <<< ch20
 
     # ---- the client's side: messages into the inbox
     def check_fits_pool(self, req: Req) -> None:
@@ -121,7 +126,10 @@ class Scheduler(OutputProcessorMixin):
         #| while self.busy:
         #|     yield from self.normal_loop()
         last = None                              # the overlap loop's step in flight
-        while self.busy or last is not None:
+        # >>> ch20 replaces ch06: whether the run goes on, decided alike on every rank
+        #| while self.busy or last is not None:
+        while self.shared_busy(last):
+        # <<< ch20
             with self.runner.schedule_stream():
                 if overlap:
                     last, replies = self.overlap_loop(last)
@@ -150,6 +158,23 @@ class Scheduler(OutputProcessorMixin):
         return going
         # <<< exercise 16.2
     # <<< ch16
+
+    # >>> ch20: one scheduler per rank
+
+    def shared_busy(self, last: StepOutput | None) -> bool:
+        """Whether the run goes on, the same answer on every rank. First every rank's inbox becomes rank 0's
+        (what rank 0's callers sent since the last iteration: requests, aborts), over the CPU group; then
+        every rank holds the same requests in the same state and answers alike. A following rank told to
+        abandon (rank 0's caller left) abandons here too; one told to stop, stops."""
+        self.inbox = deque(self.share(list(self.inbox)))
+        if self.following and ("abandon", None) in self.inbox:
+            self.abandon()
+            return False
+        if ("stop", None) in self.inbox:
+            self.stopped = True
+            return False
+        return self.busy or last is not None
+    # <<< ch20
 
     def normal_loop(self) -> list[Reply]:
         """One iteration: receive, schedule, launch, wait, process."""
@@ -427,7 +452,12 @@ class Scheduler(OutputProcessorMixin):
 
     def abandon(self) -> None:
         """The run's caller left, or a step failed: abort every request and handle the steps still in
-        flight (07), dropping all replies. Nothing stays queued, running or held."""
+        flight (07), dropping all replies. Nothing stays queued, running or held. From chapter 20 rank 0
+        tells the other ranks to do the same, in the inbox they are waiting for."""
+        # >>> ch20: the other ranks abandon the run with rank 0
+        if not self.following:
+            self.inbox = deque(self.share([*self.inbox, ("abandon", None)]))
+        # <<< ch20
         self.receive()
         for req in [*self.waiting, *self.running]:
             self.abort_now(req)

@@ -1,0 +1,170 @@
+# >>> ch20 file: the ranks of a tensor-parallel engine
+"""The ranks of a tensor-parallel engine: one process per device, each with its own scheduler.
+
+`LLM(tp_size=N)` is rank 0. It starts ranks 1..N-1, each a process of its own (pinned to its device on a
+GPU) that builds the same engine over its shard of the weights and runs `follow`: the scheduler's loop,
+run after run, for ever. Every rank schedules for itself, as SGLang's and mini-sglang's schedulers do;
+they agree because they start equal and, before every iteration, each takes rank 0's inbox (what rank 0's
+callers sent: requests and aborts), over the CPU group (Scheduler.shared_busy). The same inbox, the same
+state, the same deterministic decisions: the same batch on every rank, whose all-reduces then line up.
+Only rank 0 has callers, and only rank 0's replies go anywhere.
+
+A request crosses as it is, but for what a process cannot pickle or need not carry: its grammar's
+matcher and its stop-string decoder, which each rank makes again from the request's params (`shared`,
+`received`).
+
+Stopping. `Ranks.shutdown` sends the ranks a stop through the same channel, waits for them, and kills
+any that do not end. A rank that fails sends its traceback up its pipe and exits; rank 0's next
+collective then fails (its peer is gone) and the LLM raises RankFailed with that traceback, after killing
+the other ranks: no process is left. Ranks are daemon processes, so they end with rank 0 in any case.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import Connection
+
+import torch
+import torch.multiprocessing as mp
+
+from minioverlap.engine.request import Req
+from minioverlap.parallel.group import TPGroup, init_group
+
+START_TIMEOUT_S = 300.0        # rank 0 waits this long for a rank to load its shard and say it is ready
+STOP_TIMEOUT_S = 30.0          # and this long for a rank to end after the stop, before it is killed
+STOP = ("stop", None)          # the inbox message that ends a following rank
+
+
+class RankFailed(RuntimeError):
+    """A rank other than 0 failed (its traceback in the message) or died; the engine's ranks are stopped."""
+
+
+class Ranks:
+    """Rank 0's side: the other ranks' processes, a pipe from each, and the group they all joined."""
+
+    def __init__(self, model: str, options: dict, tp_size: int, device: str) -> None:
+        """Start ranks 1..tp_size-1 (each builds `LLM(model, **options)` over its shard and reports ready),
+        and join the group with them as rank 0."""
+        ctx = mp.get_context("spawn")
+        self.dir = tempfile.TemporaryDirectory(prefix="minioverlap-ranks-")
+        init_method = f"file://{os.path.join(self.dir.name, 'rendezvous')}"
+        self.procs, self.pipes = [], []
+        for rank in range(1, tp_size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=follow, args=(rank, tp_size, init_method, model, options, rank_device(device, rank),
+                                                    theirs), daemon=True, name=f"minioverlap-rank-{rank}")
+            proc.start()
+            self.procs.append(proc)
+            self.pipes.append(ours)
+        self._kill = weakref.finalize(self, kill, self.procs)     # if rank 0 forgets to shut down
+        self.group = init_group(0, tp_size, init_method, rank_device(device, 0))
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self.expect(rank, pipe, "ready")
+
+    def expect(self, rank: int, pipe: Connection, what: str) -> None:
+        """Wait for a rank's message `what`; its failure (or its death) is RankFailed."""
+        if not pipe.poll(START_TIMEOUT_S):
+            self.fail(f"rank {rank} sent nothing in {START_TIMEOUT_S:.0f} s")
+        kind, text = receive(pipe)
+        if kind != what:
+            self.fail(f"rank {rank} failed before it was {what}: {text or 'its process died'}")
+
+    def failure(self, wait_s: float = 5.0) -> str | None:
+        """What went wrong on the other ranks, if anything did: the first traceback one sent, or the exit
+        code of one that died. A rank that failed may still be on its way out when rank 0's collective
+        fails: the ranks are given up to wait_s to say why."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, (proc, pipe) in enumerate(zip(self.procs, self.pipes), start=1):
+                if pipe.poll():
+                    kind, text = receive(pipe)
+                    if kind == "error":
+                        return f"rank {rank} failed:\n{text}"
+            dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+            if time.monotonic() > deadline:
+                return None if not dead else f"rank {dead[0][0]} died (exit code {dead[0][1]})"
+            time.sleep(0.05)
+
+    def fail(self, message: str) -> None:
+        """Stop every rank and raise RankFailed."""
+        kill(self.procs)
+        raise RankFailed(message)
+
+    def shutdown(self, share: Callable[[list], list]) -> None:
+        """Send the stop through the inbox channel, wait for every rank to end, kill the ones that do not."""
+        try:
+            share([STOP])
+        except RuntimeError:                     # a rank is gone already: the collective cannot complete
+            pass
+        for proc in self.procs:
+            proc.join(STOP_TIMEOUT_S)
+        kill(self.procs)
+        self.group.destroy()
+        self.dir.cleanup()
+
+
+def receive(pipe: Connection) -> tuple[str, str]:
+    """A rank's message: ("ready", ""), ("error", its traceback), or ("died", "") if its pipe closed."""
+    try:
+        return pipe.recv()
+    except (EOFError, OSError):
+        return "died", ""
+
+
+def kill(procs: list) -> None:
+    """End every rank that is still running."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(STOP_TIMEOUT_S)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of a rank: its own GPU (cuda:rank) on CUDA; the CPU on a CPU."""
+    return f"cuda:{rank}" if str(device).startswith("cuda") else "cpu"
+
+
+def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict, device: str, pipe: Connection) -> None:
+    """A rank's main: join the group, build the engine over this rank's shard, say ready, then run the
+    scheduler's loop run after run (each starts when rank 0's does: the first shared inbox) until the stop."""
+    from minioverlap.llm import LLM     # the engine's face builds the ranks: imported here, in the rank's process
+    try:
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
+        group = init_group(rank, tp_size, init_method, device)
+        llm = LLM(model, _group=group, **(options | {"device": device}))
+        pipe.send(("ready", ""))
+        scheduler = llm.scheduler
+        while not scheduler.stopped:
+            for _ in scheduler.run(llm.args.overlap):
+                pass
+        group.destroy()
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        raise
+
+
+def shared(items: list) -> list:
+    """Rank 0's inbox as it crosses to the other ranks: each request without what does not pickle (its
+    grammar's matcher) or need not cross (its stop-string decoder), which each rank makes again."""
+    return [(kind, replace(item, grammar=None, text=None) if isinstance(item, Req) else item) for kind, item in items]
+
+
+def received(items: list, processor) -> list:
+    """The inbox a rank received: each request given its own matcher and decoder, from its params."""
+    for kind, item in items:
+        if isinstance(item, Req):
+            item.grammar, item.text = processor.grammar(item.params), processor.text_stream(item.params)
+    return items
+
+
+def share_inbox(group: TPGroup, processor) -> Callable[[list], list]:
+    """The scheduler's `share` on a rank: rank 0 sends its inbox and keeps it; every other rank gets rank 0's."""
+    if group.tp_rank == 0:
+        return lambda items: (group.broadcast_object(shared(items)), items)[1]
+    return lambda items: received(group.broadcast_object(None), processor)
