@@ -87,6 +87,10 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.enable_mixed_chunk:
         options["mixed_chunk"] = True
     # <<< ch18
+    # >>> ch20: ranks
+    if args.tp != 1:
+        options["tp_size"] = args.tp
+    # <<< ch20
     return options
 # >>> ch09: MTP
 
@@ -190,6 +194,11 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     options = engine_options(args)
+    # >>> ch20: a choice rank 0's scheduler makes, which the other ranks' would not know of
+    if args.first_tokens_first and args.tp > 1:
+        raise ValueError(f"--first-tokens-first with --tp {args.tp}: every rank must make the same decisions, and "
+                         "the other ranks do not run the server's option: drop one of them")
+    # <<< ch20
     if args.first_tokens_first and args.loop == "normal":
         raise ValueError("--first-tokens-first changes the overlap loop; the normal loop handles every step before "
                          "the next launch already: drop one of --first-tokens-first and --loop normal")
@@ -281,6 +290,11 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--mtp", type=int, default=0, metavar="K",
                          help="drafts per step with the model's MTP layer (speculative decoding)")
     # <<< ch09
+    # >>> ch20: ranks
+    for cmd in sub.choices.values():
+        cmd.add_argument("--tp", type=int, default=1, metavar="N",
+                         help="tensor parallelism over N ranks, one process and one device each (chapter 20)")
+    # <<< ch20
     # >>> ch19: n-gram drafts
     for cmd in sub.choices.values():
         cmd.add_argument("--ngram", type=int, default=0, metavar="K",

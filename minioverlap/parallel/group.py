@@ -17,8 +17,10 @@ distributed/communication_op.py, whose names (tp_rank, tp_size) this file keeps.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,9 @@ DEFAULT_TIMEOUT_S = 60.0      # a collective that waits this long for a dead pee
 
 @dataclass
 class TPGroup:
-    """One process's place in the tensor-parallel group."""
+    """One process's place in the tensor-parallel group. The group is a process group of its own, made
+    from a store (not torch.distributed's default group), so that a process may hold several engines, one
+    after the other or side by side, each with its own ranks."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -42,7 +46,7 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the ranks, in place; returns t."""
         if self.tp_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
+            self.process_group.allreduce([t]).wait()
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -51,34 +55,53 @@ class TPGroup:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-        dist.all_gather(parts, t, group=self.process_group)
+        self.process_group.allgather([parts], [t]).wait()
         return torch.cat(parts, dim=dim)
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
-        """Rank src's obj (any picklable object) on every rank; the other ranks' obj is ignored."""
+        """Rank src's obj (any picklable object) on every rank; the other ranks' obj is ignored. As
+        torch.distributed's broadcast_object_list does it: the pickle's length, then its bytes, each a
+        broadcast of a tensor (on the CPU: this is the CPU group's work)."""
         if self.tp_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.process_group)
-        return box[0]
+        data = pickle.dumps(obj) if self.tp_rank == src else b""
+        size = self.broadcast(torch.tensor([len(data)], dtype=torch.int64), src)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        return pickle.loads(self.broadcast(buffer, src).numpy().tobytes())
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank src's t on every rank, in place; returns t."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.process_group.broadcast([t], opts).wait()
+        return t
 
     def destroy(self) -> None:
-        """Leave the group (the last collective must be done on every rank)."""
-        if self.process_group is not None:
-            dist.destroy_process_group()
-            self.process_group = None
+        """Leave the group."""
+        self.process_group = None
 
 
 def init_group(rank: int, world_size: int, init_method: str, device: str | torch.device,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
     """Join the group of world_size processes that meet at init_method ("file:///tmp/x" or
-    "tcp://127.0.0.1:29500"): NCCL for a CUDA device, gloo otherwise. Every rank must call it."""
+    "tcp://127.0.0.1:29500"): NCCL for a CUDA device, gloo otherwise. Every rank must call it. The
+    broadcasts of the scheduler's inbox go over gloo on a CPU, as SGLang's CPU group carries them."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     device = torch.device(device)
+    timeout = timedelta(seconds=timeout_s)
+    store = make_store(init_method, rank, world_size, timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    return TPGroup(tp_rank=rank, tp_size=world_size, process_group=dist.group.WORLD)
+        return TPGroup(rank, world_size, dist.ProcessGroupNCCL(store, rank, world_size))
+    return TPGroup(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, timeout))
+
+
+def make_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """Where the ranks find each other: a file they share, or rank 0's TCP port."""
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        return dist.FileStore(url.path, world_size)
+    if url.scheme == "tcp":
+        return dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout)
+    raise ValueError(f"init_method must be file:///path or tcp://host:port, got {init_method!r}")

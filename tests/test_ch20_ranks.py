@@ -1,0 +1,165 @@
+"""Chapter 20: an engine over several ranks, one process and one scheduler each, on a CPU with gloo. Every rank
+takes rank 0's inbox before each iteration, so all make the same decisions: the greedy tokens equal one
+device's in both loops, with the prefix cache and chunked prefill, the n-gram drafter and grammars, seeded
+sampling too, with the hazard checker on every rank; a stream left early and an abort reach every rank, and
+the next run is as a fresh engine's; a rank that raises or dies ends the engine with RankFailed and leaves no
+process; the options and the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import jsonschema
+import pytest
+
+from conftest import no_hang
+from minioverlap import LLM, SamplingParams
+from minioverlap.cli import engine_options, parser
+from minioverlap.parallel import ranks as ranks_module
+from minioverlap.parallel.ranks import RankFailed
+
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures("one_thread")]
+
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", [5, 6, 7], "import os\n" * 12,
+           "x = [1, 2, 3]\nprint(x)\n" * 3]
+PARAMS = [SamplingParams(max_tokens=n) for n in (24, 16, 1, 20, 12)]
+OPTIONS = dict(max_running=3, chunked_prefill_size=16)     # requests queue; the long prompts run in chunks
+SCHEMA = {"type": "object", "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 120}}}
+RUN_S = 120                                                # no run of these tests may take longer
+
+
+def tokens_of(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
+    with no_hang(RUN_S):
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def assert_no_rank_left(llm: LLM, procs: list) -> None:
+    assert llm.ranks is None and procs and not [p for p in procs if p.is_alive()]
+
+
+@pytest.fixture(scope="module")
+def one_device() -> list[list[int]]:
+    return tokens_of(LLM(overlap=False, **OPTIONS))
+
+
+@pytest.fixture(scope="module", params=["normal", "overlap"])
+def tp2(request):
+    """Two ranks, the hazard checker on each (a race on a rank other than 0 would end it: RankFailed)."""
+    llm = LLM(tp_size=2, overlap=request.param == "overlap", hazard_check=True, **OPTIONS)
+    procs = list(llm.ranks.procs)
+    yield llm
+    llm.shutdown()
+    assert_no_rank_left(llm, procs)
+
+
+def test_greedy_tokens_equal_one_device(tp2, one_device):
+    """Twice (the second run's prompts hit the prefix cache on every rank): the tokens are one device's."""
+    assert tokens_of(tp2) == one_device
+    assert tokens_of(tp2) == one_device
+    tp2.check_integrity()
+
+
+def test_seeded_sampling_equals_one_device(tp2):
+    params = [SamplingParams(max_tokens=16, temperature=0.8, seed=s) for s in (1, 2)]
+    want = tokens_of(LLM(overlap=False, **OPTIONS), PROMPTS[:2], params)
+    assert tokens_of(tp2, PROMPTS[:2], params) == want
+
+
+def test_a_stream_left_early_and_an_abort_reach_every_rank(tp2, one_device):
+    """A stream is left after its first replies (rank 0 abandons the run, and tells the ranks in the inbox
+    they wait for); another stream's request is aborted mid-run. Then the engine gives one device's tokens."""
+    with no_hang(RUN_S):
+        for reply in tp2.stream(PROMPTS, PARAMS):
+            if reply.uid == tp2.next_uid - 5 and reply.token_ids:
+                break
+        replies = []
+        for reply in tp2.stream(PROMPTS[:2], PARAMS[:2]):
+            replies.append(reply)
+            if len(replies) == 2:
+                tp2.abort(reply.uid)
+    assert replies[-1].finish_reason == "abort" or any(r.finish_reason == "abort" for r in replies)
+    tp2.check_integrity()
+    assert tokens_of(tp2) == one_device
+
+
+def test_the_n_gram_drafter_and_grammars_over_two_ranks():
+    """Each rank looks up the same drafts and compiles its own matchers: the tokens are one device's."""
+    params = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=48, json_schema=SCHEMA)]
+    prompts = PROMPTS[4:5] + PROMPTS[:1]
+    want = tokens_of(LLM(overlap=False), prompts, params)
+    llm = LLM(tp_size=2, ngram_steps=3)
+    procs = list(llm.ranks.procs)
+    try:
+        with no_hang(RUN_S):
+            outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want and outs[0].verify_steps < len(outs[0].token_ids)
+        jsonschema.validate(json.loads(outs[1].text), SCHEMA)
+    finally:
+        llm.shutdown()
+    assert_no_rank_left(llm, procs)
+
+
+def test_four_ranks_give_one_device_s_tokens(one_device):
+    """Four ranks: one query head each, the two KV heads copied onto two ranks apiece."""
+    llm = LLM(tp_size=4, overlap=True, **OPTIONS)
+    procs = list(llm.ranks.procs)
+    try:
+        assert tokens_of(llm) == one_device
+    finally:
+        llm.shutdown()
+    assert_no_rank_left(llm, procs)
+
+
+def failing_follow(rank, *args):
+    """A rank whose third step raises (a bug on that rank alone): patched into the ranks' processes."""
+    from minioverlap.engine.model_runner import ModelRunner
+    launch = ModelRunner.launch
+
+    def failing_launch(self, batch, step):
+        if step == 3:
+            raise RuntimeError(f"rank {rank} fails at step 3 on purpose")
+        return launch(self, batch, step)
+    ModelRunner.launch = failing_launch
+    ranks_module.follow(rank, *args)
+
+
+def test_a_rank_that_raises_ends_the_engine_with_its_error_and_no_process_left(monkeypatch):
+    monkeypatch.setattr(ranks_module, "follow", failing_follow)
+    llm = LLM(tp_size=2, overlap=True)
+    procs = list(llm.ranks.procs)
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 failed:.*rank 1 fails at step 3 on purpose"), no_hang(RUN_S):
+        llm.generate(PROMPTS[:2], PARAMS[:2])
+    assert not [p for p in procs if p.is_alive()]
+    llm.shutdown()
+
+
+def test_a_killed_rank_ends_the_next_run_with_rank_failed_and_no_process_left():
+    llm = LLM(tp_size=2, overlap=False)
+    procs = list(llm.ranks.procs)
+    tokens_of(llm, PROMPTS[:1], PARAMS[:1])
+    os.kill(procs[0].pid, signal.SIGKILL)
+    procs[0].join(30)
+    with pytest.raises(RankFailed, match=r"rank 1 died \(exit code -9\)"), no_hang(RUN_S):
+        llm.generate(PROMPTS[:1], PARAMS[:1])
+    assert not [p for p in procs if p.is_alive()]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(tp_size=3), r"tp_size \(3\) must divide num_attention_heads \(4\)"),
+    (dict(tp_size=0), r"tp_size must be an integer in \[1, 8\], got 0"),
+    (dict(tp_size=2, mtp_steps=3), r"tp_size=2 with mtp_steps=3: tensor parallelism runs the reference path"),
+    (dict(tp_size=2, kernels=True), r"tp_size=2 with kernels=True"),
+], ids=["heads", "zero", "mtp", "kernels"])
+def test_options_are_refused_before_any_rank_starts(options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(**options)
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["trace"], ["serve"]])
+def test_the_command_line_passes_tp(command):
+    assert engine_options(parser().parse_args([*command, "--tp", "2"]))["tp_size"] == 2
+    assert "tp_size" not in engine_options(parser().parse_args(command))
