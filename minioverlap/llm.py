@@ -275,7 +275,13 @@ class LLM:
             self.ranks.shutdown(self.scheduler.share)
             self.ranks = None
         # <<< ch20
-    # >>> ch20: a rank that failed
+    # >>> ch20: a rank that failed; each rank's trace
+
+    def rank_traces(self) -> list[Trace]:
+        """The trace of the last run on every rank, rank 0's first (one rank: [self.trace]). Between runs."""
+        if self.serving:
+            raise RuntimeError("rank_traces is asked between runs: a run is in progress (a stream being consumed)")
+        return [self.trace] + (self.ranks.traces(self.scheduler.share) if self.ranks is not None else [])
 
     def abandon(self) -> None:
         """Abandon the run (Scheduler.abandon); if that fails because another rank failed or died, stop the

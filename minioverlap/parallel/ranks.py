@@ -41,6 +41,7 @@ from minioverlap.parallel.model import check_tp_size
 START_TIMEOUT_S = 300.0        # rank 0 waits this long for a rank to load its shard and say it is ready
 STOP_TIMEOUT_S = 30.0          # and this long for a rank to end after the stop, before it is killed
 STOP = ("stop", None)          # the inbox message that ends a following rank
+TRACES = ("traces", None)      # and the one that has it send its last run's trace up its pipe
 
 
 class RankFailed(RuntimeError):
@@ -74,9 +75,9 @@ class Ranks:
         """Wait for a rank's message `what`; its failure (or its death) is RankFailed."""
         if not pipe.poll(START_TIMEOUT_S):
             self.fail(f"rank {rank} sent nothing in {START_TIMEOUT_S:.0f} s")
-        kind, text = receive(pipe)
+        kind, self.last = receive(pipe)
         if kind != what:
-            self.fail(f"rank {rank} failed before it was {what}: {text or 'its process died'}")
+            self.fail(f"rank {rank} failed before it sent its {what}: {self.last or 'its process died'}")
 
     def failure(self, wait_s: float = 5.0) -> str | None:
         """What went wrong on the other ranks, if anything did: the first traceback one sent, or the exit
@@ -98,6 +99,15 @@ class Ranks:
         """Stop every rank and raise RankFailed."""
         kill(self.procs)
         raise RankFailed(message)
+
+    def traces(self, share: Callable[[list], list]) -> list:
+        """Each other rank's trace of its last run, asked for through the inbox channel (between runs)."""
+        share([TRACES])
+        traces = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self.expect(rank, pipe, "trace")
+            traces.append(self.last)
+        return traces
 
     def shutdown(self, share: Callable[[list], list]) -> None:
         """Send the stop through the inbox channel, wait for every rank to end, kill the ones that do not."""
@@ -142,10 +152,13 @@ def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict,
         group = init_group(rank, tp_size, init_method, device)
         llm = LLM(model, _group=group, **(options | {"device": device}))
         pipe.send(("ready", ""))
-        scheduler = llm.scheduler
+        scheduler, last = llm.scheduler, [llm.scheduler.trace]
+        scheduler.send_trace = lambda: pipe.send(("trace", last[0]))
         while not scheduler.stopped:
             for _ in scheduler.run(llm.args.overlap):
                 pass
+            if len(scheduler.trace):                  # a run that ran steps (not a request for the traces)
+                last[0] = scheduler.trace
         group.destroy()
     except BaseException:
         pipe.send(("error", traceback.format_exc()))

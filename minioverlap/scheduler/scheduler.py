@@ -73,10 +73,11 @@ class Scheduler(OutputProcessorMixin):
         self.chunked_prefill_size: int | None = None
         self.mixed_chunk = False
         # <<< ch18
-        # >>> ch20: the ranks: every rank's inbox becomes rank 0's before each iteration (identity with one rank)
-        self.share: Callable[[list], list] = lambda items: items
+        # >>> ch20: the ranks: every rank's inbox becomes rank 0's before each iteration (None: one rank)
+        self.share: Callable[[list], list] | None = None
         self.following = False                  # a rank other than 0: it runs until rank 0 says stop
         self.stopped = False
+        self.send_trace: Callable[[], None] | None = None     # a following rank's: its last run's trace to rank 0
         # <<< ch20
 
     # ---- the client's side: messages into the inbox
@@ -166,14 +167,18 @@ class Scheduler(OutputProcessorMixin):
         (what rank 0's callers sent since the last iteration: requests, aborts), over the CPU group; then
         every rank holds the same requests in the same state and answers alike. A following rank told to
         abandon (rank 0's caller left) abandons here too; one told to stop, stops."""
+        if self.share is None:
+            return self.busy or last is not None
         self.inbox = deque(self.share(list(self.inbox)))
         if self.following and ("abandon", None) in self.inbox:
             self.abandon()
             return False
-        if ("stop", None) in self.inbox:
-            self.stopped = True
+        if self.following and ("traces", None) in self.inbox:
+            self.send_trace()
             return False
-        return self.busy or last is not None
+        self.stopped = ("stop", None) in self.inbox
+        self.trace.record("share", self.step + 1, [r.uid for kind, r in self.inbox if kind == "add"])
+        return (self.busy or last is not None) and not self.stopped
     # <<< ch20
 
     def normal_loop(self) -> list[Reply]:
@@ -455,7 +460,7 @@ class Scheduler(OutputProcessorMixin):
         flight (07), dropping all replies. Nothing stays queued, running or held. From chapter 20 rank 0
         tells the other ranks to do the same, in the inbox they are waiting for."""
         # >>> ch20: the other ranks abandon the run with rank 0
-        if not self.following:
+        if self.share is not None and not self.following:
             self.inbox = deque(self.share([*self.inbox, ("abandon", None)]))
         # <<< ch20
         self.receive()
