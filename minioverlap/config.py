@@ -146,6 +146,7 @@ def check_cuda_graphs(args: EngineArgs) -> None:
 
 
 def use_cuda_graphs(args: EngineArgs) -> bool:
+    """Whether the engine captures graphs: as asked, or by default on a GPU."""
     # >>> ch20 replaces ch13: and not with several ranks (check_tp_size)
     #| return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda")
     return args.cuda_graphs if args.cuda_graphs is not None else str(args.device).startswith("cuda") and args.tp_size == 1
@@ -165,6 +166,7 @@ def check_kernels(args: EngineArgs) -> None:
 
 
 def use_kernels(args: EngineArgs) -> bool:
+    """Whether the engine takes the fast path: as asked, or by default on a GPU."""
     # >>> ch20 replaces ch15: and not with several ranks (check_tp_size)
     #| return args.kernels if args.kernels is not None else str(args.device).startswith("cuda")
     return args.kernels if args.kernels is not None else str(args.device).startswith("cuda") and args.tp_size == 1

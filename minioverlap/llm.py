@@ -56,7 +56,7 @@ from minioverlap.speculative.ngram import NgramRunner
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.loader import load_tp_model
-from minioverlap.parallel.ranks import Ranks, share_inbox
+from minioverlap.parallel.ranks import Ranks
 # <<< ch20
 
 class LLM:
@@ -70,13 +70,22 @@ class LLM:
         """Load the checkpoint and build the engine: the runner (the model, the page pool, the tables), from
         chapter 13 its graphs, from chapter 17 its prefix cache, and the scheduler (from chapter 18 with the
         step's budget of prompt tokens). `options` are the fields
-        of EngineArgs (minioverlap/config.py), each with its default there and the chapter that adds it."""
+        of EngineArgs (minioverlap/config.py), each with its default there and the chapter that adds it.
+
+        From chapter 20, with tp_size > 1, this process is rank 0: before it loads anything it starts the
+        other ranks (parallel/ranks.py), processes that build this same engine over their own shards, and
+        joins their group; then it loads its own shard, and its scheduler shares its inbox with theirs
+        before every iteration. Each of those processes makes its LLM with `_group`, the group it has
+        joined, and starts nothing. shutdown() stops them. If another rank fails or dies, rank 0's next
+        exchange with it raises RankFailed, with its traceback, and every other rank's process is stopped:
+        the engine cannot go on without a shard of every layer."""
         self.args = _engine_args(model, options)
         self.model_dir = resolve_model_dir(model)
         self.device = _check_device(self.args.device)
         self.dtype = _resolve_dtype(self.args.dtype, self.device, self.model_dir)
         # >>> ch20: with tp_size > 1, rank 0 (this process) starts the other ranks, each loading its shard
-        self.ranks = Ranks(model, options, self.args.tp_size, self.device) if self.args.tp_size > 1 and not _group else None
+        starts_ranks = self.args.tp_size > 1 and _group is None
+        self.ranks = Ranks(model, options, self.args.tp_size, self.device) if starts_ranks else None
         self.group = _group or (self.ranks.group if self.ranks else TPGroup.single())
         # <<< ch20
         # >>> ch15 replaces ch01: the fast path or the reference, chosen once (kernels=None: on for CUDA, off for CPU)
@@ -118,10 +127,8 @@ class LLM:
         self.scheduler.chunked_prefill_size = chunk_size(self.args)
         self.scheduler.mixed_chunk = self.args.mixed_chunk
         # <<< ch18
-        # >>> ch20: one scheduler per rank, each taking rank 0's inbox before every iteration
-        if self.group.tp_size > 1:
-            self.scheduler.share = share_inbox(self.group, self.processor)
-            self.scheduler.following = self.group.tp_rank > 0
+        # >>> ch20: rank 0's scheduler shares its inbox with the other ranks' before every iteration
+        self.scheduler.share = self.ranks.share if self.ranks is not None else None
         # <<< ch20
     # >>> ch20: this rank's shard
 
@@ -249,10 +256,7 @@ class LLM:
         try:
             yield from replies
         except BaseException:                    # GeneratorExit (the consumer left) included
-            # >>> ch20 replaces ch04: a rank that failed ends the engine, with its error
-            #| self.scheduler.abandon()
-            self.abandon()
-            # <<< ch20
+            self.scheduler.abandon()
             raise
         finally:
             self.serving = False
@@ -272,27 +276,16 @@ class LLM:
         other ranks' processes are stopped."""
         # >>> ch20: the other ranks
         if self.ranks is not None:
-            self.ranks.shutdown(self.scheduler.share)
+            self.ranks.shutdown()
             self.ranks = None
         # <<< ch20
-    # >>> ch20: a rank that failed; each rank's trace
+    # >>> ch20: each rank's trace
 
     def rank_traces(self) -> list[Trace]:
         """The trace of the last run on every rank, rank 0's first (one rank: [self.trace]). Between runs."""
         if self.serving:
             raise RuntimeError("rank_traces is asked between runs: a run is in progress (a stream being consumed)")
-        return [self.trace] + (self.ranks.traces(self.scheduler.share) if self.ranks is not None else [])
-
-    def abandon(self) -> None:
-        """Abandon the run (Scheduler.abandon); if that fails because another rank failed or died, stop the
-        ranks and raise RankFailed with what went wrong there."""
-        try:
-            self.scheduler.abandon()
-        except Exception:
-            failure = self.ranks.failure() if self.ranks is not None else None
-            if failure is None:
-                raise
-            self.ranks.fail(failure)
+        return [self.trace] + (self.ranks.traces() if self.ranks is not None else [])
     # <<< ch20
 
 

@@ -215,6 +215,17 @@ def read_tensors(files: dict[str, Path], names: list[str],
     return tensors
 
 
+def check_names(model_dir: Path, config: Qwen3Config, files: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:
+    """No tensor the config does not describe (the MTP layer's are known), none it implies missing."""
+    for name, path in files.items():
+        if name not in expected and not is_mtp_tensor(name, config) and not (name == "lm_head.weight" and config.tie_word_embeddings):
+            raise CheckpointError(f"{path}: unexpected tensor {name!r}; config.json describes no such weight")
+    missing = [name for name in expected if name not in files]
+    if missing:
+        raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} with shape {list(expected[missing[0]])} is missing"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
                # >>> ch15: the model's class, chosen once at load (the fast path's, or the reference)
                model_class: type[Qwen3ForCausalLM] = Qwen3ForCausalLM,
@@ -232,13 +243,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     if config.tie_word_embeddings:
         del expected["lm_head.weight"]
     files = weight_files(model_dir)
-    for name, path in files.items():
-        if name not in expected and not is_mtp_tensor(name, config) and not (name == "lm_head.weight" and config.tie_word_embeddings):
-            raise CheckpointError(f"{path}: unexpected tensor {name!r}; config.json describes no such weight")
-    missing = [name for name in expected if name not in files]
-    if missing:
-        raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} with shape {list(expected[missing[0]])} is missing"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    check_names(model_dir, config, files, expected)
     if config.tie_word_embeddings and "lm_head.weight" in files:     # some exporters write the tied head anyway
         expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
     tensors = read_tensors(files, list(expected))

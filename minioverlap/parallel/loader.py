@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minioverlap.model.loader import CheckpointError, check_shapes, is_mtp_tensor, load_config, read_tensors, weight_files
+from minioverlap.model.loader import (CheckpointError, check_names, check_shapes, load_config, read_tensors,
+                                      weight_files)
 from minioverlap.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.model import TPQwen3ForCausalLM
@@ -30,17 +31,6 @@ def shard_index(model: nn.Module, name: str) -> tuple[slice, ...]:
     the whole tensor for a replicated one (the norms)."""
     module = model.get_submodule(name.rpartition(".")[0])
     return getattr(module, "weight_slice", ALL)
-
-
-def check_names(model_dir: Path, config: Qwen3Config, files: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:
-    """load_model's check of names: no tensor the config does not describe, none it implies missing."""
-    for name, path in files.items():
-        if name not in expected and not is_mtp_tensor(name, config) and not (name == "lm_head.weight" and config.tie_word_embeddings):
-            raise CheckpointError(f"{path}: unexpected tensor {name!r}; config.json describes no such weight")
-    missing = [name for name in expected if name not in files]
-    if missing:
-        raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} with shape {list(expected[missing[0]])} is missing"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
 def read_shards(files: dict[str, Path], expected: dict[str, tuple[int, ...]], model: nn.Module) -> dict[str, torch.Tensor]:

@@ -98,22 +98,31 @@ class Ranks:
     def fail(self, message: str) -> None:
         """Stop every rank and raise RankFailed."""
         kill(self.procs)
-        raise RankFailed(message)
+        raise RankFailed(message) from None
 
-    def traces(self, share: Callable[[list], list]) -> list:
+    def share(self, items: list) -> list:
+        """Rank 0's Scheduler.share: its inbox to every other rank (`shared`), kept as it is here. If the
+        broadcast fails, another rank has failed or died: RankFailed says which, and why."""
+        try:
+            self.group.broadcast_object(shared(items))
+        except RuntimeError as e:               # gloo: a peer closed its connection, or the collective timed out
+            self.fail(self.failure() or f"a collective failed: {e}")
+        return items
+
+    def traces(self) -> list:
         """Each other rank's trace of its last run, asked for through the inbox channel (between runs)."""
-        share([TRACES])
+        self.share([TRACES])
         traces = []
         for rank, pipe in enumerate(self.pipes, start=1):
             self.expect(rank, pipe, "trace")
             traces.append(self.last)
         return traces
 
-    def shutdown(self, share: Callable[[list], list]) -> None:
+    def shutdown(self) -> None:
         """Send the stop through the inbox channel, wait for every rank to end, kill the ones that do not."""
         try:
-            share([STOP])
-        except RuntimeError:                     # a rank is gone already: the collective cannot complete
+            self.share([STOP])
+        except RankFailed:                       # a rank is gone already: the others are stopped
             pass
         for proc in self.procs:
             proc.join(STOP_TIMEOUT_S)
@@ -153,7 +162,8 @@ def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict,
         llm = LLM(model, _group=group, **(options | {"device": device}))
         pipe.send(("ready", ""))
         scheduler, last = llm.scheduler, [llm.scheduler.trace]
-        scheduler.send_trace = lambda: pipe.send(("trace", last[0]))
+        scheduler.share = lambda items: received(group.broadcast_object(None), llm.processor)   # rank 0's inbox
+        scheduler.following, scheduler.send_trace = True, lambda: pipe.send(("trace", last[0]))
         while not scheduler.stopped:
             for _ in scheduler.run(llm.args.overlap):
                 pass
@@ -177,10 +187,3 @@ def received(items: list, processor) -> list:
         if isinstance(item, Req):
             item.grammar, item.text = processor.grammar(item.params), processor.text_stream(item.params)
     return items
-
-
-def share_inbox(group: TPGroup, processor) -> Callable[[list], list]:
-    """The scheduler's `share` on a rank: rank 0 sends its inbox and keeps it; every other rank gets rank 0's."""
-    if group.tp_rank == 0:
-        return lambda items: (group.broadcast_object(shared(items)), items)[1]
-    return lambda items: received(group.broadcast_object(None), processor)

@@ -127,10 +127,7 @@ class Scheduler(OutputProcessorMixin):
         #| while self.busy:
         #|     yield from self.normal_loop()
         last = None                              # the overlap loop's step in flight
-        # >>> ch20 replaces ch06: whether the run goes on, decided alike on every rank
-        #| while self.busy or last is not None:
-        while self.shared_busy(last):
-        # <<< ch20
+        while self.goes_on(last):
             with self.runner.schedule_stream():
                 if overlap:
                     last, replies = self.overlap_loop(last)
@@ -160,6 +157,17 @@ class Scheduler(OutputProcessorMixin):
         # <<< exercise 16.2
     # <<< ch16
 
+    # >>> ch06: a run goes on while a step is in flight
+
+    def goes_on(self, last: StepOutput | None) -> bool:
+        """Whether the run goes on: a request is queued or running, or the overlap loop's step is still in
+        flight. From chapter 20, with several ranks, every rank gives the same answer (shared_busy)."""
+        # >>> ch20: with several ranks
+        if self.share is not None:
+            return self.shared_busy(last)
+        # <<< ch20
+        return self.busy or last is not None
+    # <<< ch06
     # >>> ch20: one scheduler per rank
 
     def shared_busy(self, last: StepOutput | None) -> bool:
@@ -167,8 +175,6 @@ class Scheduler(OutputProcessorMixin):
         (what rank 0's callers sent since the last iteration: requests, aborts), over the CPU group; then
         every rank holds the same requests in the same state and answers alike. A following rank told to
         abandon (rank 0's caller left) abandons here too; one told to stop, stops."""
-        if self.share is None:
-            return self.busy or last is not None
         self.inbox = deque(self.share(list(self.inbox)))
         if self.following and ("abandon", None) in self.inbox:
             self.abandon()
