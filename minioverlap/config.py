@@ -230,15 +230,16 @@ MAX_TP_SIZE = 8                        # ranks: one process and one device each
 
 def check_tp_size(args: EngineArgs) -> None:
     """tp_size: an integer in [1, MAX_TP_SIZE]. What has no tensor-parallel form here yet is refused with
-    it: MTP's drafter (its layer is not sharded), the fast path (its merged projections are the whole
-    model's) and CUDA graphs (gloo's collectives cannot be captured; NCCL's are untested here)."""
+    it: the fast path (its merged projections are the whole model's) and CUDA graphs (gloo's collectives
+    cannot be captured; NCCL's are untested here). MTP's drafter is sharded as the target is
+    (parallel/mtp.py), so mtp_steps is not refused."""
     tp = _integer("tp_size", args.tp_size, f"an integer in [1, {MAX_TP_SIZE}]", lambda n: 1 <= n <= MAX_TP_SIZE)
     object.__setattr__(args, "tp_size", tp)
-    unsharded = {"mtp_steps": args.mtp_steps, "kernels": args.kernels, "cuda_graphs": args.cuda_graphs}
+    unsharded = {"kernels": args.kernels, "cuda_graphs": args.cuda_graphs}
     given = [f"{name}={value}" for name, value in unsharded.items() if value]
     if tp > 1 and given:
         raise ValueError(f"tp_size={tp} with {given[0]}: tensor parallelism runs the reference path, eagerly, "
-                         "without MTP, for now: pass tp_size=1 or leave that option out")
+                         "for now: pass tp_size=1 or leave that option out")
 # <<< ch20
 
 

@@ -56,6 +56,7 @@ from minioverlap.speculative.ngram import NgramRunner
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.loader import load_tp_model
+from minioverlap.parallel.mtp import load_tp_mtp
 from minioverlap.parallel.ranks import Ranks
 # <<< ch20
 
@@ -165,7 +166,14 @@ class LLM:
     # >>> ch09: the MTP drafter
 
     def load_drafter(self) -> MTPLayer:
-        """The checkpoint's MTP layer (a ValueError if it has none)."""
+        """The checkpoint's MTP layer (a ValueError if it has none), from chapter 15 of the class chosen at
+        load. From chapter 20, with several ranks, this rank's shard of it: its attention and MLP split as
+        the target's layers are, eh_proj and the norms whole, the target's parallel embedding and head
+        shared, so that every rank's draft logits are whole and every rank drafts the same tokens."""
+        # >>> ch20: sharded as the target is (parallel/mtp.py)
+        if self.group.tp_size > 1:
+            return load_tp_mtp(self.model_dir, self.model, self.group)
+        # <<< ch20
         # >>> ch15 replaces ch09: of the class chosen at load
         #| return load_mtp(self.model_dir, self.model)
         return load_mtp(self.model_dir, self.model, self.backend.mtp)

@@ -28,19 +28,21 @@ ALL = (slice(None),)
 
 def shard_index(model: nn.Module, name: str) -> tuple[slice, ...]:
     """The index of parameter `name`'s shard in the full checkpoint tensor: its layer's weight_slice, or
-    the whole tensor for a replicated one (the norms)."""
+    the whole tensor for a replicated one (the norms, the MTP layer's eh_proj)."""
     module = model.get_submodule(name.rpartition(".")[0])
     return getattr(module, "weight_slice", ALL)
 
 
-def read_shards(files: dict[str, Path], expected: dict[str, tuple[int, ...]], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each expected tensor's shard, read from its file without the rest of the tensor."""
+def read_shards(files: dict[str, Path], expected: dict[str, tuple[int, ...]], model: nn.Module,
+                prefix: str = "") -> dict[str, torch.Tensor]:
+    """Each expected tensor's shard, read from its file without the rest of the tensor. A tensor's name is
+    `prefix` and the model's parameter name (the MTP layer's tensors: model.layers.{L}.*)."""
 
     def read_shard(f, name: str) -> torch.Tensor:
         part = f.get_slice(name)
         full = torch.empty(part.get_shape(), device="meta")         # the full shape, from the file's header
         check_shapes(files, {name: expected[name]}, {name: full})
-        return part[shard_index(model, name)]
+        return part[shard_index(model, name.removeprefix(prefix))]
 
     return read_tensors(files, list(expected), read=read_shard)
 
