@@ -57,6 +57,22 @@ def test_tokens_equal_whole_prompt_prefill(whole, overlap, size, mixed, mtp, cac
     assert any(o.cached_tokens for o in outs) == cache
 
 
+SEEDED = [SamplingParams(max_tokens=8, temperature=0.9, seed=s, ignore_eos=True) for s in range(5)]
+
+
+@pytest.mark.parametrize("size,mixed,mtp", [(1, False, 0), (7, True, 0), (16, False, 3)], ids=["1", "7-mixed", "16-mtp"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_seeded_request_s_tokens_do_not_depend_on_its_chunks(overlap, size, mixed, mtp):
+    """A chunk's token is thrown away, so it draws nothing from its request's generator: the seeded tokens
+    equal whole-prompt prefill's, in a first run and in a second whose prompts start after a cached prefix
+    (fewer chunks)."""
+    want = [o.token_ids for o in LLM(page_size=4, overlap=False, mtp_steps=mtp, prefix_cache=False,
+                                     chunked_prefill_size=-1).generate(prompts(), SEEDED)]
+    llm = LLM(page_size=4, overlap=overlap, chunked_prefill_size=size, mixed_chunk=mixed, mtp_steps=mtp)
+    for run in range(2):
+        assert [o.token_ids for o in llm.generate(prompts(), SEEDED)] == want, f"run {run + 1}"
+
+
 def steps(llm: LLM) -> list[tuple[int, tuple, tuple, tuple]]:
     """The run's steps as (N, the requests it ran, those whose rows were a chunk, the replies of its handling)."""
     kinds = {kind: {e.step: e.uids for e in llm.trace if e.kind == kind} for kind in ("schedule", "chunk", "reply")}

@@ -36,7 +36,14 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
 
 
 def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
-    """One draw from the request's adjusted distribution, with its own generator if it is seeded."""
+    """One draw from the request's adjusted distribution, with its own generator if it is seeded. From
+    chapter 18 none for a chunk of a prompt: its token is thrown away, and a draw would advance the
+    generator, so that a seeded request's tokens would depend on how its prompt was chunked (and, with
+    the prefix cache, on what was cached). vLLM rewinds the generator of such a request instead."""
+    # >>> ch18: a chunk's token is never used: no draw
+    if req.prefilling:
+        return logits.argmax()
+    # <<< ch18
     return torch.multinomial(adjusted_probs(logits, req.params), 1, generator=req.generator)[0]
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from minioverlap.model.loader import (CheckpointError, check_names, check_shapes, load_config, read_tensors,
                                       weight_files)
-from minioverlap.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.model import TPQwen3ForCausalLM
 
