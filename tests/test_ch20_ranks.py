@@ -68,6 +68,19 @@ def test_seeded_sampling_equals_one_device(tp2):
     assert tokens_of(tp2, PROMPTS[:2], params) == want
 
 
+def test_unseeded_sampling_stays_in_step_whatever_rank_0_s_process_draws(tp2):
+    """Unseeded sampled requests, after rank 0's caller has moved its process's generator: every rank must
+    still draw the same tokens (rank 0 seeds each such request), or their decisions would part. Two runs
+    complete, each request with its tokens, and the engine's account holds."""
+    import torch
+    torch.rand(7)
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    for _ in range(2):
+        assert [len(t) for t in tokens_of(tp2, PROMPTS[:3], params)] == [12] * 3
+        torch.rand(3)
+    tp2.check_integrity()
+
+
 def test_a_stream_left_early_and_an_abort_reach_every_rank(tp2, one_device):
     """A stream is left after its first replies (rank 0 abandons the run, and tells the ranks in the inbox
     they wait for); another stream's request is aborted mid-run. Then the engine gives one device's tokens."""

@@ -22,6 +22,7 @@ the other ranks: no process is left. Ranks are daemon processes, so they end wit
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 import time
 import traceback
@@ -177,7 +178,13 @@ def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict,
 
 def shared(items: list) -> list:
     """Rank 0's inbox as it crosses to the other ranks: each request without what does not pickle (its
-    grammar's matcher) or need not cross (its stop-string decoder), which each rank makes again."""
+    grammar's matcher) or need not cross (its stop-string decoder), which each rank makes again. A sampled
+    request without a seed is given one first, here on rank 0 (SGLang broadcasts one seed to its ranks at
+    start): every rank then draws its tokens from the same generator, not from its process's own, whose
+    state rank 0's caller may have moved."""
+    for kind, item in items:
+        if isinstance(item, Req) and item.params.temperature > 0 and item.params.seed is None:
+            item.params = replace(item.params, seed=random.getrandbits(63))
     return [(kind, replace(item, grammar=None, text=None) if isinstance(item, Req) else item) for kind, item in items]
 
 
