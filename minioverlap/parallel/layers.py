@@ -107,10 +107,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Each token's row if this rank holds it, zeros if not; the sum over the ranks is the full lookup."""
+        # >>> exercise 20.1: the vocabulary-parallel embedding
         mine = (input_ids >= self.rows.start) & (input_ids < self.rows.stop)
         local = torch.where(mine, input_ids - self.rows.start, 0)          # row 0 stands in, then is zeroed
         out = F.embedding(local, self.weight).masked_fill(~mine.unsqueeze(-1), 0)
         return self.group.all_reduce(out)
+        # <<< exercise 20.1
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -175,6 +175,7 @@ class Scheduler(OutputProcessorMixin):
         (what rank 0's callers sent since the last iteration: requests, aborts), over the CPU group; then
         every rank holds the same requests in the same state and answers alike. A following rank told to
         abandon (rank 0's caller left) abandons here too; one told to stop, stops."""
+        # >>> exercise 20.2: the agreement before every iteration
         self.inbox = deque(self.share(list(self.inbox)))
         if self.following and ("abandon", None) in self.inbox:
             self.abandon()
@@ -185,6 +186,7 @@ class Scheduler(OutputProcessorMixin):
         self.stopped = ("stop", None) in self.inbox
         self.trace.record("share", self.step + 1, [r.uid for kind, r in self.inbox if kind == "add"])
         return (self.busy or last is not None) and not self.stopped
+        # <<< exercise 20.2
     # <<< ch20
 
     def normal_loop(self) -> list[Reply]:
