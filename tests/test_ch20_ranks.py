@@ -69,15 +69,17 @@ def test_seeded_sampling_equals_one_device(tp2):
 
 
 def test_unseeded_sampling_stays_in_step_whatever_rank_0_s_process_draws(tp2):
-    """Unseeded sampled requests, after rank 0's caller has moved its process's generator: every rank must
-    still draw the same tokens (rank 0 seeds each such request), or their decisions would part. Two runs
-    complete, each request with its tokens, and the engine's account holds."""
+    """Unseeded sampled requests, after rank 0's caller has moved its process's generator, with stop tokens
+    a quarter of the vocabulary: a rank that sampled another token would end a request at another step,
+    and its next batch (and all-reduce) would part from rank 0's. Rank 0 seeds each such request, so the
+    runs complete, every request ending on a stop token or its length, and the account holds."""
     import torch
-    torch.rand(7)
-    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=tuple(range(1024)))
     for _ in range(2):
-        assert [len(t) for t in tokens_of(tp2, PROMPTS[:3], params)] == [12] * 3
-        torch.rand(3)
+        torch.rand(7)
+        with no_hang(RUN_S):
+            outs = tp2.generate(PROMPTS[:3], params)
+        assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in outs)
     tp2.check_integrity()
 
 
