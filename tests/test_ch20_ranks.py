@@ -177,3 +177,23 @@ def test_options_are_refused_before_any_rank_starts(options, message):
 def test_the_command_line_passes_tp(command):
     assert engine_options(parser().parse_args([*command, "--tp", "2"]))["tp_size"] == 2
     assert "tp_size" not in engine_options(parser().parse_args(command))
+
+
+def test_a_server_over_two_ranks_serves_one_device_s_text():
+    """`minioverlap serve --tp 2`: the scheduler process is rank 0 and starts rank 1; a completion's text is
+    one device's, the integrity report clean once idle, and the server stops with no rank left."""
+    import openai
+
+    from tests.serving import Server
+    want = LLM(overlap=False).generate(PROMPTS[0], SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+    server = Server("--tp", "2", "--max-running", "4")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60.0)
+        out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want
+        report = server.wait_idle()
+        assert report["idle"] and report["problems"] is None
+    finally:
+        code, output = server.stop()
+    assert code == 0, output

@@ -34,6 +34,9 @@ def run_engine(options: dict, inbox: Connection, outbox: Connection, first_token
         return
     outbox.send(Ready(llm.max_seq_len))
     EngineLoop(llm, inbox, outbox, first_tokens_first).serve()
+    # >>> ch20: the other ranks, if any, stop with it
+    llm.shutdown()
+    # <<< ch20
 
 
 class EngineLoop:
