@@ -40,8 +40,8 @@ def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
     chapter 18 none for a chunk of a prompt: its token is thrown away, and a draw would advance the
     generator, so that a seeded request's tokens would depend on how its prompt was chunked (and, with
     the prefix cache, on what was cached). vLLM rewinds the generator of such a request instead."""
-    # >>> ch18: a chunk's token is never used: no draw
-    if req.prefilling:
+    # >>> ch18: a chunk's token is never used: no draw (a chunk: a prompt laid out in part)
+    if 0 < req.seq_len < len(req.prompt_ids):
         return logits.argmax()
     # <<< ch18
     return torch.multinomial(adjusted_probs(logits, req.params), 1, generator=req.generator)[0]
