@@ -94,7 +94,16 @@ def init_group(rank: int, world_size: int, init_method: str, device: str | torch
     if device.type == "cuda":
         torch.cuda.set_device(device)
         return TPGroup(rank, world_size, dist.ProcessGroupNCCL(store, rank, world_size))
-    return TPGroup(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, timeout))
+    return TPGroup(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, gloo_options(timeout)))
+
+
+def gloo_options(timeout: timedelta) -> dist.ProcessGroupGloo._Options:
+    """Gloo over the loopback interface: the ranks are processes of one host (parallel/ranks.py starts
+    them), so they need no network, nor a host name that resolves to one."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = timeout
+    return opts
 
 
 def make_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
