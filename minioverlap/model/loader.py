@@ -215,6 +215,20 @@ def read_tensors(files: dict[str, Path], names: list[str],
     return tensors
 
 
+def checkpoint_tensors(model_dir: Path, config: Qwen3Config, model: Qwen3ForCausalLM) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+    """The checkpoint's files by tensor name, and the tensors to read with their full shapes: the model's
+    (a model of the checkpoint's shapes), checked by name against the files; a tied head is read only
+    if the file holds it anyway, to check that it is the embedding."""
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    files = weight_files(model_dir)
+    check_names(model_dir, config, files, expected)
+    if config.tie_word_embeddings and "lm_head.weight" in files:     # some exporters write the tied head anyway
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    return files, expected
+
+
 def check_names(model_dir: Path, config: Qwen3Config, files: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:
     """No tensor the config does not describe (the MTP layer's are known), none it implies missing."""
     for name, path in files.items():
@@ -239,13 +253,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     with torch.device("meta"):
         model = model_class(config)
     # <<< ch15
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        del expected["lm_head.weight"]
-    files = weight_files(model_dir)
-    check_names(model_dir, config, files, expected)
-    if config.tie_word_embeddings and "lm_head.weight" in files:     # some exporters write the tied head anyway
-        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    files, expected = checkpoint_tensors(model_dir, config, model)
     tensors = read_tensors(files, list(expected))
     if "lm_head.weight" in tensors and config.tie_word_embeddings:
         if not torch.equal(tensors.pop("lm_head.weight"), tensors["model.embed_tokens.weight"]):

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minioverlap.model.loader import (CheckpointError, check_names, check_shapes, load_config, read_tensors,
-                                      weight_files)
+from minioverlap.model.loader import CheckpointError, check_shapes, checkpoint_tensors, load_config, read_tensors
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.model import TPQwen3ForCausalLM
@@ -53,13 +52,7 @@ def load_tp_model(model_dir: Path, dtype: torch.dtype, device: str | torch.devic
     with torch.device("meta"):
         model = TPQwen3ForCausalLM(config, group)
         full = Qwen3ForCausalLM(config)                          # the checkpoint's shapes, on no memory
-    expected = {name: tuple(p.shape) for name, p in full.state_dict().items()}
-    if config.tie_word_embeddings:
-        del expected["lm_head.weight"]
-    files = weight_files(model_dir)
-    check_names(model_dir, config, files, expected)
-    if config.tie_word_embeddings and "lm_head.weight" in files:     # some exporters write the tied head anyway
-        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    files, expected = checkpoint_tensors(model_dir, config, full)
     shards = read_shards(files, expected, model)
     head = shards.pop("lm_head.weight", None) if config.tie_word_embeddings else None
     if head is not None and not torch.equal(head, shards["model.embed_tokens.weight"]):
