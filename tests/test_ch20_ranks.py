@@ -69,16 +69,17 @@ def test_seeded_sampling_equals_one_device(tp2):
 
 
 def test_unseeded_sampling_stays_in_step_whatever_rank_0_s_process_draws(tp2):
-    """Unseeded sampled requests, after rank 0's caller has moved its process's generator, with stop tokens
-    a quarter of the vocabulary: a rank that sampled another token would end a request at another step,
+    """Unseeded sampled requests, after rank 0's caller has moved its process's generator, at a temperature
+    that flattens the distribution and with half the vocabulary as stop tokens (each token stops its request
+    about half the time): a rank that sampled another token would end a request at another step,
     and its next batch (and all-reduce) would part from rank 0's. Rank 0 seeds each such request, so the
     runs complete, every request ending on a stop token or its length, and the account holds."""
     import torch
-    params = SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=tuple(range(1024)))
+    params = SamplingParams(max_tokens=12, temperature=3.0, stop_token_ids=tuple(range(2048)))
     for _ in range(2):
         torch.rand(7)
         with no_hang(RUN_S):
-            outs = tp2.generate(PROMPTS[:3], params)
+            outs = tp2.generate(PROMPTS, params)
         assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in outs)
     tp2.check_integrity()
 
