@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from minioverlap.model.loader import CheckpointError, check_shapes, read_tensors, weight_files
-from minioverlap.model.qwen3 import AttentionContext, DecoderLayer, Qwen3ForCausalLM, RMSNorm, rope_cos_sin
+from minioverlap.model.qwen3 import AttentionContext, DecoderLayer, Qwen3Config, Qwen3ForCausalLM, RMSNorm, rope_cos_sin
 
 
 class SharedHead(nn.Module):
@@ -65,6 +65,21 @@ class MTPLayer(DecoderLayer):
         return self.target[0].compute_logits(hidden)
 
 
+def mtp_tensors(model_dir: Path, config: Qwen3Config, layer: MTPLayer) -> tuple[str, dict[str, Path], dict[str, tuple[int, ...]]]:
+    """The MTP layer's tensors in the checkpoint: their name prefix (model.layers.{L}.), the files by
+    tensor name, and each tensor's full shape (those of `layer`, a layer of the checkpoint's shapes). A
+    checkpoint without an MTP layer is a ValueError naming it; a missing tensor, a CheckpointError."""
+    if config.num_nextn_predict_layers < 1:
+        raise ValueError(f"mtp_steps > 0 needs an MTP layer, but {model_dir} has none "
+                         f"(config.json: num_nextn_predict_layers = {config.num_nextn_predict_layers})")
+    prefix, files = f"model.layers.{config.num_hidden_layers}.", weight_files(model_dir)
+    expected = {prefix + name: tuple(p.shape) for name, p in layer.state_dict().items()}
+    missing = [name for name in expected if name not in files]
+    if missing:
+        raise CheckpointError(f"{model_dir}: MTP tensor {missing[0]!r} is missing")
+    return prefix, files, expected
+
+
 def load_mtp(model_dir: Path, target: Qwen3ForCausalLM,
              # >>> ch15: the layer's class, chosen once at load (the fast path's, or this one)
              mtp_class: type[MTPLayer] = MTPLayer,
@@ -72,21 +87,13 @@ def load_mtp(model_dir: Path, target: Qwen3ForCausalLM,
              ) -> MTPLayer:
     """The checkpoint's first MTP layer, on the target's device and in its dtype. A checkpoint without one
     is a ValueError naming it."""
-    c = target.config
-    if c.num_nextn_predict_layers < 1:
-        raise ValueError(f"mtp_steps > 0 needs an MTP layer, but {model_dir} has none "
-                         f"(config.json: num_nextn_predict_layers = {c.num_nextn_predict_layers})")
     # >>> ch15 replaces ch09: of the class chosen at load
     #| with torch.device("meta"):
     #|     mtp = MTPLayer(target)
     with torch.device("meta"):
         mtp = mtp_class(target)
     # <<< ch15
-    prefix, files = f"model.layers.{c.num_hidden_layers}.", weight_files(model_dir)
-    expected = {prefix + name: tuple(p.shape) for name, p in mtp.state_dict().items()}
-    missing = [name for name in expected if name not in files]
-    if missing:
-        raise CheckpointError(f"{model_dir}: MTP tensor {missing[0]!r} is missing")
+    prefix, files, expected = mtp_tensors(model_dir, target.config, mtp)
     tensors = read_tensors(files, list(expected))
     check_shapes(files, expected, tensors)
     weight = target.model.embed_tokens.weight

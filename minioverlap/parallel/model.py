@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torch import nn
 
 from minioverlap.model.qwen3 import MLP, Attention, Qwen3Config, Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from minioverlap.model.loader import CheckpointError, weight_files
-from minioverlap.model.mtp import MTPLayer
+from minioverlap.model.mtp import MTPLayer, mtp_tensors
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.loader import read_shards
@@ -53,18 +52,10 @@ def load_tp_mtp(model_dir: Path, target: TPQwen3ForCausalLM, group: TPGroup) -> 
     """This rank's TPMTPLayer, each parameter filled with its shard, on the target's device and in its
     dtype. As load_mtp: a checkpoint without an MTP layer is a ValueError, a missing tensor a CheckpointError,
     and each tensor's full shape is checked (from the file's header) before its slice is read."""
-    c = target.full_config
-    if c.num_nextn_predict_layers < 1:
-        raise ValueError(f"mtp_steps > 0 needs an MTP layer, but {model_dir} has none "
-                         f"(config.json: num_nextn_predict_layers = {c.num_nextn_predict_layers})")
     with torch.device("meta"):
         mtp = TPMTPLayer(target, group)
-        full = MTPLayer(Qwen3ForCausalLM(c))       # the checkpoint's shapes, on no memory
-    prefix, files = f"model.layers.{c.num_hidden_layers}.", weight_files(model_dir)
-    expected = {prefix + name: tuple(p.shape) for name, p in full.state_dict().items()}
-    missing = [name for name in expected if name not in files]
-    if missing:
-        raise CheckpointError(f"{model_dir}: MTP tensor {missing[0]!r} is missing")
+        full = MTPLayer(Qwen3ForCausalLM(target.full_config))       # the checkpoint's shapes, on no memory
+    prefix, files, expected = mtp_tensors(model_dir, target.full_config, full)
     weight = target.model.embed_tokens.weight
     shards = read_shards(files, expected, mtp, prefix)
     mtp.load_state_dict({name.removeprefix(prefix): t.to(device=weight.device, dtype=weight.dtype)

@@ -27,7 +27,6 @@ import tempfile
 import time
 import traceback
 import weakref
-from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
@@ -36,7 +35,7 @@ import torch.multiprocessing as mp
 
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import load_config, resolve_model_dir
-from minioverlap.parallel.group import TPGroup, init_group
+from minioverlap.parallel.group import init_group
 from minioverlap.parallel.model import check_tp_size
 
 START_TIMEOUT_S = 300.0        # rank 0 waits this long for a rank to load its shard and say it is ready
