@@ -129,7 +129,8 @@ class LLM:
         self.scheduler.mixed_chunk = self.args.mixed_chunk
         # <<< ch18
         # >>> ch20: rank 0's scheduler shares its inbox with the other ranks' before every iteration
-        self.scheduler.share = self.ranks.share if self.ranks is not None else None
+        if self.ranks is not None:
+            self.scheduler.share = lambda items: self.ranks.share(items, self.scheduler.fingerprint)
         # <<< ch20
     # >>> ch20: this rank's shard
 

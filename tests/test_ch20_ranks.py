@@ -2,14 +2,15 @@
 takes rank 0's inbox before each iteration, so all make the same decisions: the greedy tokens equal one
 device's in both loops, with the prefix cache and chunked prefill, the n-gram drafter and grammars, seeded
 sampling too, with the hazard checker on every rank; a stream left early and an abort reach every rank, and
-the next run is as a fresh engine's; a rank that raises or dies ends the engine with RankFailed and leaves no
-process; the options and the command line."""
+the next run is as a fresh engine's; a rank that raises or dies, or ranks that sample apart, end the engine
+with RankFailed and leave no process; the options and the command line."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -18,7 +19,7 @@ from conftest import no_hang
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.parallel import ranks as ranks_module
-from minioverlap.parallel.ranks import RankFailed
+from minioverlap.parallel.ranks import RankFailed, shared
 
 pytestmark = [pytest.mark.process, pytest.mark.usefixtures("one_thread")]
 
@@ -160,6 +161,25 @@ def test_a_killed_rank_ends_the_next_run_with_rank_failed_and_no_process_left():
     procs[0].join(30)
     with pytest.raises(RankFailed, match=r"rank 1 died \(exit code -9\)"), no_hang(RUN_S):
         llm.generate(PROMPTS[:1], PARAMS[:1])
+    assert not [p for p in procs if p.is_alive()]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_ranks_that_sample_apart_end_the_run_with_rank_failed_before_their_batches_part(monkeypatch, overlap):
+    """Rank 1's copies of the requests cross with another seed: it samples other tokens, and the
+    fingerprints compared after the next exchange differ. Every rank learns it there, before any collective
+    of a batch that would no longer pair (gloo would abort a process), and the engine ends with RankFailed
+    naming the rank, no process left."""
+    def shared_with_other_seeds(items):
+        return [(kind, replace(item, params=replace(item.params, seed=item.params.seed + 1)) if kind == "add" else item)
+                for kind, item in shared(items)]
+    monkeypatch.setattr(ranks_module, "shared", shared_with_other_seeds)
+    llm = LLM(tp_size=2, overlap=overlap)
+    procs = list(llm.ranks.procs)
+    params = SamplingParams(max_tokens=12, temperature=3.0, seed=7, stop_token_ids=tuple(range(2048)))
+    with pytest.raises(RankFailed, match=r"rank 1's scheduler has parted from rank 0's"), no_hang(RUN_S):
+        llm.generate(PROMPTS, params)
     assert not [p for p in procs if p.is_alive()]
     llm.shutdown()
 

@@ -28,6 +28,7 @@ import time
 import traceback
 import weakref
 from dataclasses import replace
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -35,7 +36,7 @@ import torch.multiprocessing as mp
 
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import load_config, resolve_model_dir
-from minioverlap.parallel.group import init_group
+from minioverlap.parallel.group import TPGroup, init_group
 from minioverlap.parallel.model import check_tp_size
 
 START_TIMEOUT_S = 300.0        # rank 0 waits this long for a rank to load its shard and say it is ready
@@ -58,7 +59,7 @@ class Ranks:
         ctx = mp.get_context("spawn")
         self.dir = tempfile.TemporaryDirectory(prefix="minioverlap-ranks-")
         init_method = f"file://{os.path.join(self.dir.name, 'rendezvous')}"
-        self.procs, self.pipes = [], []
+        self.procs, self.pipes, self.failed = [], [], None
         for rank in range(1, tp_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=follow, args=(rank, tp_size, init_method, model, options, rank_device(device, rank),
@@ -96,17 +97,25 @@ class Ranks:
             time.sleep(0.05)
 
     def fail(self, message: str) -> None:
-        """Stop every rank and raise RankFailed."""
+        """Stop every rank and raise RankFailed. Every later exchange (the abandon that follows, say) raises
+        the same: the first failure is the one to tell."""
         kill(self.procs)
+        self.failed = message
         raise RankFailed(message) from None
 
-    def share(self, items: list) -> list:
-        """Rank 0's Scheduler.share: its inbox to every other rank (`shared`), kept as it is here. If the
-        broadcast fails, another rank has failed or died: RankFailed says which, and why."""
+    def share(self, items: list, fingerprint: Callable[[list], int] = lambda inbox: 0) -> list:
+        """Rank 0's Scheduler.share: its inbox to every other rank (`shared`), kept as it is here; then the
+        ranks compare their schedulers' fingerprints with it (`parted`). If the exchange fails, another rank has
+        failed or died: RankFailed says which, and why; if the ranks have parted, RankFailed says so."""
+        if self.failed:
+            raise RankFailed(self.failed)
         try:
             self.group.broadcast_object(shared(items))
+            apart = parted(self.group, fingerprint(items), items)
         except RuntimeError as e:               # gloo: a peer closed its connection, or the collective timed out
             self.fail(self.failure() or f"a collective failed: {e}")
+        if apart:
+            self.fail(apart)
         return items
 
     def traces(self) -> list:
@@ -162,7 +171,13 @@ def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict,
         llm = LLM(model, _group=group, **(options | {"device": device}))
         pipe.send(("ready", ""))
         scheduler, last = llm.scheduler, [llm.scheduler.trace]
-        scheduler.share = lambda items: received(group.broadcast_object(None), llm.processor)   # rank 0's inbox
+
+        def share(items: list) -> list:                  # rank 0's inbox, once the ranks have compared
+            inbox = received(group.broadcast_object(None), llm.processor)
+            if apart := parted(group, scheduler.fingerprint(inbox), inbox):
+                raise RankFailed(apart)
+            return inbox
+        scheduler.share = share
         scheduler.following, scheduler.send_trace = True, lambda: pipe.send(("trace", last[0]))
         while not scheduler.stopped:
             for _ in scheduler.run(llm.args.overlap):
@@ -173,6 +188,23 @@ def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict,
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
+
+
+def parted(group: TPGroup, fingerprint: int, inbox: list) -> str | None:
+    """Whether the ranks' schedulers have parted, asked after every exchange of the inbox: each rank's
+    fingerprint of the inbox it takes and of its queued and running requests (Scheduler.fingerprint)
+    goes to every rank, in one all-gather of one integer per rank. That collective pairs whatever the
+    ranks hold; the next batch's would not (gloo, given tensors of unlike sizes, aborts the process that
+    receives the larger). So every rank learns here, before any collective of the next step, that one
+    received, sampled or decided apart.
+    None when the ranks agree, or when the inbox ends the run (abandon, stop, traces): then nothing
+    held is kept."""
+    prints = group.all_gather(torch.tensor([fingerprint], dtype=torch.int64), dim=0).tolist()
+    apart = [rank for rank, f in enumerate(prints) if f != prints[0]]
+    if not apart or any(kind not in ("add", "abort") for kind, _ in inbox):
+        return None
+    return (f"rank {apart[0]}'s scheduler has parted from rank 0's: the requests they take or hold differ "
+            f"(fingerprints {prints}), so would their next batches; a rank received, sampled or decided otherwise")
 
 
 def shared(items: list) -> list:
