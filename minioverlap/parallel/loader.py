@@ -8,6 +8,10 @@ parallel layer's `weight_slice` (layers.py) indexes its shard in the full tensor
 
 The checks are model/loader.py's: every tensor the config implies is present, none is unexpected, and
 each has the full shape the config implies, checked from the file's header before any slice is read.
+
+One loader serves both ways of cutting the model: `load_tp_model` fills TPQwen3ForCausalLM (model.py),
+every layer sharded; `load_dp_model` fills DPAttentionQwen3ForCausalLM (dp_attention.py), whose MLP
+projections alone have a weight_slice, so that a rank reads its MLP shards and everything else whole.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from minioverlap.model.loader import CheckpointError, check_shapes, checkpoint_tensors, load_config, read_tensors
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
+from minioverlap.parallel.dp_attention import DPAttentionQwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.model import TPQwen3ForCausalLM
 
@@ -48,9 +53,22 @@ def read_shards(files: dict[str, Path], expected: dict[str, tuple[int, ...]], mo
 
 def load_tp_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device, group: TPGroup) -> TPQwen3ForCausalLM:
     """This rank's TPQwen3ForCausalLM from config.json, each parameter filled with its shard."""
+    return load_rank_model(TPQwen3ForCausalLM, model_dir, dtype, device, group)
+
+
+def load_dp_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
+                  group: TPGroup) -> DPAttentionQwen3ForCausalLM:
+    """This rank's DPAttentionQwen3ForCausalLM from config.json: its shard of each MLP, the rest whole."""
+    return load_rank_model(DPAttentionQwen3ForCausalLM, model_dir, dtype, device, group)
+
+
+def load_rank_model(model_class: type[TPQwen3ForCausalLM] | type[DPAttentionQwen3ForCausalLM], model_dir: Path,
+                    dtype: torch.dtype, device: str | torch.device, group: TPGroup) -> Qwen3ForCausalLM:
+    """model_class(config, group) built from config.json on no memory, each parameter filled with this
+    rank's shard of its tensor (the whole tensor for a parameter whose module has no weight_slice)."""
     config = load_config(model_dir)
     with torch.device("meta"):
-        model = TPQwen3ForCausalLM(config, group)
+        model = model_class(config, group)
         full = Qwen3ForCausalLM(config)                          # the checkpoint's shapes, on no memory
     files, expected = checkpoint_tensors(model_dir, config, full)
     shards = read_shards(files, expected, model)

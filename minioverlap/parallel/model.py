@@ -82,10 +82,11 @@ class TPAttention(Attention):
 
 
 class TPMLP(MLP):
-    """Qwen3's SwiGLU over this rank's columns: gate and up column-parallel, down_proj row-parallel."""
+    """Qwen3's SwiGLU over this rank's columns: gate and up column-parallel, down_proj row-parallel. It asks
+    only that tp_size divide the MLP width: DP attention (dp_attention.py) splits this MLP and nothing else."""
 
     def __init__(self, config: Qwen3Config, group: TPGroup) -> None:
-        super().__init__(rank_config(config, group.tp_rank, group.tp_size))
+        super().__init__(replace(config, intermediate_size=config.intermediate_size // group.tp_size))
         hidden, inner = config.hidden_size, config.intermediate_size
         self.gate_proj = ColumnParallelLinear(hidden, inner, group)
         self.up_proj = ColumnParallelLinear(hidden, inner, group)
