@@ -1,15 +1,25 @@
 # >>> ch20 file: the tensor-parallel group and its collectives
-"""The tensor-parallel group: which rank this process is, how many there are, and the three collectives
-the engine needs.
+"""The tensor-parallel group: which rank this process is, how many there are, and the collectives the
+engine needs.
 
-Every rank runs the same program on its own shard of the weights. The ranks meet in three ways:
+Every rank runs the same program on its own shard of the weights. The ranks meet in two groups. The
+device group carries the model's collectives:
 
     all_reduce(t)         sum each rank's partial result (after o_proj, down_proj, the embedding)
     all_gather(t, dim)    put the ranks' pieces side by side (the LM head's slices of the vocabulary)
-    broadcast_object(x)   rank 0's Python object on every rank (what the scheduler received this step)
 
-On a GPU the collectives go over NCCL; on a CPU over gloo. With one rank, `TPGroup.single()`, each of
-them is the identity and torch.distributed is never touched, so a single-device engine pays nothing.
+and the CPU group the schedulers' exchanges, of host values:
+
+    broadcast_object(x)   rank 0's Python object on every rank (what the scheduler received this step)
+    all_gather_ints(v)    every rank's few integers (fingerprints, loads, a step's token counts)
+    all_gather_object(x)  every rank's Python object (DP attention: each rank's replies, for rank 0)
+
+On a GPU the device group is NCCL, on a CPU gloo; the CPU group is gloo on both, as SGLang's schedulers
+exchange Python objects over a gloo "cpu_group" beside NCCL. Two groups also keep the two kinds of
+traffic apart: a rank that skipped a step waits in the CPU group while the others wait in the device
+group, and each side's collective times out, rather than pairing with a collective of another size
+(which gloo answers by aborting the process). With one rank, `TPGroup.single()`, each collective is the
+identity and torch.distributed is never touched, so a single-device engine pays nothing.
 
 References: Megatron-LM (Shoeybi et al., 2019) for the split; SGLang's parallel_state.py and vLLM's
 distributed/communication_op.py, whose names (tp_rank, tp_size) this file keeps.
@@ -36,7 +46,8 @@ class TPGroup:
 
     tp_rank: int = 0
     tp_size: int = 1
-    process_group: dist.ProcessGroup | None = None     # None: one rank, no torch.distributed
+    process_group: dist.ProcessGroup | None = None     # the device group; None: one rank, no torch.distributed
+    cpu_group: dist.ProcessGroup | None = None         # the CPU group (gloo), for the schedulers' exchanges
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -61,7 +72,7 @@ class TPGroup:
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Rank src's obj (any picklable object) on every rank; the other ranks' obj is ignored. As
         torch.distributed's broadcast_object_list does it: the pickle's length, then its bytes, each a
-        broadcast of a tensor (on the CPU: this is the CPU group's work)."""
+        broadcast of a host tensor over the CPU group."""
         if self.tp_size == 1:
             return obj
         data = pickle.dumps(obj) if self.tp_rank == src else b""
@@ -70,15 +81,37 @@ class TPGroup:
         return pickle.loads(self.broadcast(buffer, src).numpy().tobytes())
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank src's t on every rank, in place; returns t."""
+        """Rank src's host tensor t on every rank, in place, over the CPU group; returns t."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.process_group.broadcast([t], opts).wait()
+        self.cpu_group.broadcast([t], opts).wait()
         return t
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of integers (each rank gives as many), in rank order, over the CPU group."""
+        if self.tp_size == 1:
+            return [list(values)]
+        t = torch.tensor(values, dtype=torch.int64)
+        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+        self.cpu_group.allgather([parts], [t]).wait()
+        return [p.tolist() for p in parts]
+
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's obj (any picklable object), in rank order, over the CPU group: the pickles' lengths,
+        then the pickles, each padded to the longest."""
+        if self.tp_size == 1:
+            return [obj]
+        data = pickle.dumps(obj)
+        sizes = [n for [n] in self.all_gather_ints([len(data)])]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.tp_size)]
+        self.cpu_group.allgather([parts], [mine]).wait()
+        return [pickle.loads(p[:n].numpy().tobytes()) for p, n in zip(parts, sizes)]
+
     def destroy(self) -> None:
-        """Leave the group."""
-        self.process_group = None
+        """Leave the groups."""
+        self.process_group = self.cpu_group = None
 
 
 def init_group(rank: int, world_size: int, init_method: str, device: str | torch.device,
@@ -91,10 +124,13 @@ def init_group(rank: int, world_size: int, init_method: str, device: str | torch
     device = torch.device(device)
     timeout = timedelta(seconds=timeout_s)
     store = make_store(init_method, rank, world_size, timeout)
+    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, world_size, gloo_options(timeout))
+    device_store = dist.PrefixStore("device", store)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        return TPGroup(rank, world_size, dist.ProcessGroupNCCL(store, rank, world_size))
-    return TPGroup(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, gloo_options(timeout)))
+        return TPGroup(rank, world_size, dist.ProcessGroupNCCL(device_store, rank, world_size), cpu_group)
+    return TPGroup(rank, world_size, dist.ProcessGroupGloo(device_store, rank, world_size, gloo_options(timeout)),
+                   cpu_group)
 
 
 def gloo_options(timeout: timedelta) -> dist.ProcessGroupGloo._Options:

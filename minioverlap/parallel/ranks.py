@@ -199,7 +199,7 @@ def parted(group: TPGroup, fingerprint: int, inbox: list) -> str | None:
     received, sampled or decided apart.
     None when the ranks agree, or when the inbox ends the run (abandon, stop, traces): then nothing
     held is kept."""
-    prints = group.all_gather(torch.tensor([fingerprint], dtype=torch.int64), dim=0).tolist()
+    prints = [f for [f] in group.all_gather_ints([fingerprint])]
     apart = [rank for rank, f in enumerate(prints) if f != prints[0]]
     if not apart or any(kind not in ("add", "abort") for kind, _ in inbox):
         return None
