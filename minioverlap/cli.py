@@ -90,6 +90,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     # >>> ch20: ranks
     if args.tp != 1:
         options["tp_size"] = args.tp
+    if args.dp_attention:
+        options["dp_attention"] = True
     # <<< ch20
     return options
 # >>> ch09: MTP
@@ -294,6 +296,8 @@ def parser() -> argparse.ArgumentParser:
     for cmd in sub.choices.values():
         cmd.add_argument("--tp", type=int, default=1, metavar="N",
                          help="tensor parallelism over N ranks, one process and one device each (chapter 20)")
+        cmd.add_argument("--dp-attention", action="store_true",
+                         help="with --tp N: each rank serves its own requests, attention alone, the MLP over all (chapter 20)")
     # <<< ch20
     # >>> ch19: n-gram drafts
     for cmd in sub.choices.values():

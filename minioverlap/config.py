@@ -60,6 +60,7 @@ class EngineArgs:
     # <<< ch19
     # >>> ch20: several devices
     tp_size: int = 1                          # > 1: tensor parallelism over that many ranks (NCCL; gloo on a CPU)
+    dp_attention: bool = False                # with tp_size > 1: each rank its own requests and attention, the MLP shared
     # <<< ch20
 
     def __post_init__(self) -> None:
@@ -240,6 +241,20 @@ def check_tp_size(args: EngineArgs) -> None:
     if tp > 1 and given:
         raise ValueError(f"tp_size={tp} with {given[0]}: tensor parallelism runs the reference path, eagerly, "
                          "for now: pass tp_size=1 or leave that option out")
+
+
+def check_dp_attention(args: EngineArgs) -> None:
+    """dp_attention needs several ranks. A drafter is refused with it for now: its steps are a pass of
+    another kind (MTP's draft passes, a verify window), which every rank would have to agree on too (a
+    prompt on one rank pausing the others' decoding)."""
+    if not args.dp_attention:
+        return
+    if args.tp_size == 1:
+        raise ValueError("dp_attention=True needs tp_size > 1 (the ranks that share the MLP), got tp_size=1")
+    drafter = [f"{name}={value}" for name, value in (("mtp_steps", args.mtp_steps), ("ngram_steps", args.ngram_steps)) if value]
+    if drafter:
+        raise ValueError(f"dp_attention=True with {drafter[0]}: the ranks agree on plain prefill and decode steps "
+                         "only, for now: drop the drafter or dp_attention")
 # <<< ch20
 
 
@@ -268,5 +283,6 @@ CHECKS = [
     # <<< ch19
     # >>> ch20: several devices
     check_tp_size,
+    check_dp_attention,
     # <<< ch20
 ]

@@ -55,7 +55,8 @@ from minioverlap.speculative.ngram import NgramRunner
 # >>> ch20: several devices
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
-from minioverlap.parallel.loader import load_tp_model
+from minioverlap.parallel.dp_scheduler import DPScheduler
+from minioverlap.parallel.loader import load_dp_model, load_tp_model
 from minioverlap.parallel.mtp import load_tp_mtp
 from minioverlap.parallel.ranks import Ranks
 # <<< ch20
@@ -122,7 +123,10 @@ class LLM:
             self.runner.init_prefix_cache()
         # <<< ch17
         # >>> ch04: the scheduler
-        self.scheduler = Scheduler(self.runner)
+        # >>> ch20 replaces ch04: under DP attention, a scheduler that agrees each step with the other ranks'
+        #| self.scheduler = Scheduler(self.runner)
+        self.scheduler = DPScheduler(self.runner, self.group) if self.args.dp_attention else Scheduler(self.runner)
+        # <<< ch20
         # <<< ch04
         # >>> ch18: the step's budget of prompt tokens, and mixed steps
         self.scheduler.chunked_prefill_size = chunk_size(self.args)
@@ -135,7 +139,10 @@ class LLM:
     # >>> ch20: this rank's shard
 
     def load_model(self) -> Qwen3ForCausalLM:
-        """The whole model, or with several ranks this rank's shard of every layer, read as a shard."""
+        """The whole model, or with several ranks this rank's shard of every layer, read as a shard (under
+        DP attention: of every MLP, the rest whole)."""
+        if self.args.dp_attention:
+            return load_dp_model(self.model_dir, self.dtype, self.device, self.group)
         if self.group.tp_size > 1:
             return load_tp_model(self.model_dir, self.dtype, self.device, self.group)
         return load_model(self.model_dir, self.dtype, self.device, self.backend.model)

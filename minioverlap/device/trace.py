@@ -30,6 +30,8 @@ KINDS += ("mask",)
 # <<< ch19
 # >>> ch20: and, with several ranks, each iteration's inbox taken from rank 0 (what it received)
 KINDS += ("share",)
+# and under DP attention the agreement on a step (every rank's token count) and the empty batch of an idle rank
+KINDS += ("agree", "idle")
 # <<< ch20
 
 

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import load_config, resolve_model_dir
 from minioverlap.parallel.group import TPGroup, init_group
+from minioverlap.parallel.dp_attention import check_dp_size
 from minioverlap.parallel.model import check_tp_size
 
 START_TIMEOUT_S = 300.0        # rank 0 waits this long for a rank to load its shard and say it is ready
@@ -55,7 +56,8 @@ class Ranks:
     def __init__(self, model: str, options: dict, tp_size: int, device: str) -> None:
         """Start ranks 1..tp_size-1 (each builds `LLM(model, **options)` over its shard and reports ready),
         and join the group with them as rank 0."""
-        check_tp_size(load_config(resolve_model_dir(model)), tp_size)        # before any process starts
+        check_size = check_dp_size if options.get("dp_attention") else check_tp_size
+        check_size(load_config(resolve_model_dir(model)), tp_size)           # before any process starts
         ctx = mp.get_context("spawn")
         self.dir = tempfile.TemporaryDirectory(prefix="minioverlap-ranks-")
         init_method = f"file://{os.path.join(self.dir.name, 'rendezvous')}"

@@ -177,8 +177,8 @@ class Scheduler(OutputProcessorMixin):
     def shared_busy(self, last: StepOutput | None) -> bool:
         """Whether the run goes on, the same answer on every rank. First every rank's inbox becomes rank 0's
         (what rank 0's callers sent since the last iteration: requests, aborts), over the CPU group; then
-        every rank holds the same requests in the same state and answers alike. A following rank told to
-        abandon (rank 0's caller left) abandons here too; one told to stop, stops."""
+        every rank holds the same requests in the same state and answers alike (busy_anywhere). A following
+        rank told to abandon (rank 0's caller left) abandons here too; one told to stop, stops."""
         # >>> exercise 20.2: the agreement before every iteration
         self.inbox = deque(self.share(list(self.inbox)))
         if self.following and ("abandon", None) in self.inbox:
@@ -189,8 +189,14 @@ class Scheduler(OutputProcessorMixin):
             return False
         self.stopped = ("stop", None) in self.inbox
         self.trace.record("share", self.step + 1, [r.uid for kind, r in self.inbox if kind == "add"])
-        return (self.busy or last is not None) and not self.stopped
+        return not self.stopped and self.busy_anywhere(last)
         # <<< exercise 20.2
+
+    def busy_anywhere(self, last: StepOutput | None) -> bool:
+        """Whether any rank has a request queued or running, or a step in flight. Every rank holds the same
+        requests in the same state: this rank's answer is every rank's. (With DP attention each rank holds
+        its own, and the ranks ask each other: parallel/dp_scheduler.py.)"""
+        return self.busy or last is not None
 
     def fingerprint(self, inbox: list) -> int:
         """A checksum of what every rank's scheduler must hold alike as an iteration starts: the inbox it is
@@ -198,12 +204,7 @@ class Scheduler(OutputProcessorMixin):
         length in the cache and its tokens so far (how many, and the last). Ranks that sampled apart, or
         decided apart, differ here before their next batch is built; the exchange compares it
         (parallel/ranks.py). Nothing at all: 0."""
-        state = array("q")
-        for kind, item in inbox:
-            state.extend((1, item.uid) if kind == "add" else (2, item) if kind == "abort" else ())
-        for r in (*self.waiting, *self.running):
-            state.extend((r.uid, r.seq_len, len(r.output_ids), r.output_ids[-1] if r.output_ids else -1))
-        return zlib.crc32(state.tobytes())
+        return checksum(inbox, [*self.waiting, *self.running])
     # <<< ch20
 
     def normal_loop(self) -> list[Reply]:
@@ -508,3 +509,16 @@ class Scheduler(OutputProcessorMixin):
         problems += [f"waiting request {r.uid} holds a slot or pages" for r in self.waiting if r.row or r.pages]
         if problems:
             raise IntegrityError("; ".join(problems))
+# >>> ch20: the state every rank's scheduler holds alike, as a checksum
+
+
+def checksum(inbox: list, reqs: list[Req]) -> int:
+    """crc32 of the inbox's uids (each add's and abort's) and of each request's uid, length in the cache,
+    token count and last token; 0 for nothing at all."""
+    state = array("q")
+    for kind, item in inbox:
+        state.extend((1, item.uid) if kind == "add" else (2, item) if kind == "abort" else ())
+    for r in reqs:
+        state.extend((r.uid, r.seq_len, len(r.output_ids), r.output_ids[-1] if r.output_ids else -1))
+    return zlib.crc32(state.tobytes())
+# <<< ch20
