@@ -123,19 +123,29 @@ class LLM:
             self.runner.init_prefix_cache()
         # <<< ch17
         # >>> ch04: the scheduler
-        # >>> ch20 replaces ch04: under DP attention, a scheduler that agrees each step with the other ranks'
-        #| self.scheduler = Scheduler(self.runner)
-        self.scheduler = DPScheduler(self.runner, self.group) if self.args.dp_attention else Scheduler(self.runner)
-        # <<< ch20
+        self.scheduler = self.make_scheduler()
         # <<< ch04
+    # >>> ch04: the scheduler
+
+    def make_scheduler(self) -> Scheduler:
+        """The scheduler over the runner; from chapter 18 with the step's budget of prompt tokens; from
+        chapter 20 rank 0's shares its inbox with the other ranks' before every iteration, and under DP
+        attention it is a DPScheduler, which agrees each step with the other ranks'."""
+        # >>> ch20 replaces ch04: under DP attention, a scheduler that agrees each step with the other ranks'
+        #| scheduler = Scheduler(self.runner)
+        agrees_each_step = self.args.dp_attention
+        scheduler = DPScheduler(self.runner, self.group) if agrees_each_step else Scheduler(self.runner)
+        # <<< ch20
         # >>> ch18: the step's budget of prompt tokens, and mixed steps
-        self.scheduler.chunked_prefill_size = chunk_size(self.args)
-        self.scheduler.mixed_chunk = self.args.mixed_chunk
+        scheduler.chunked_prefill_size = chunk_size(self.args)
+        scheduler.mixed_chunk = self.args.mixed_chunk
         # <<< ch18
         # >>> ch20: rank 0's scheduler shares its inbox with the other ranks' before every iteration
         if self.ranks is not None:
-            self.scheduler.share = lambda items: self.ranks.share(items, self.scheduler.fingerprint)
+            scheduler.share = lambda items: self.ranks.share(items, scheduler.fingerprint)
         # <<< ch20
+        return scheduler
+    # <<< ch04
     # >>> ch20: this rank's shard
 
     def load_model(self) -> Qwen3ForCausalLM:
