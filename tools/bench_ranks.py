@@ -1,4 +1,5 @@
-"""Tensor parallelism on this machine's CPU (chapter 20): one rank against two, each loop, batch 1 and 16.
+"""Tensor parallelism and DP attention on this machine's CPU (chapter 20): one rank against two, each loop,
+batch 1 and 16.
 
     python tools/bench_ranks.py                                   # prints the table
     python tools/bench_ranks.py --json chapters/figures/20-cpu-ranks.json
@@ -12,6 +13,11 @@ each rank, the `share` phase: the exchange that opens every iteration, rank 0's 
 its all-reduces included. In the overlap loop the share of iteration N+1 comes after step N's launch and
 before its wait: on a GPU the device runs step N meanwhile; in the normal loop it comes after step N is
 handled, with the device idle.
+
+The dp2 cases run DP attention over two ranks: each rank serves its own requests (at batch 1, rank 1 runs
+the empty batch in every step). Their `share` phase also holds the gathering of the replies on rank 0
+(which ends each iteration), and their `agree` phase the agreement on the step: every rank's token
+count, gathered after the rank has scheduled its batch.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from bench_cpu import PROMPTS  # noqa: E402  (the shipped benchmark prompts)
 from minioverlap import LLM, SamplingParams  # noqa: E402
 
 
-def run_case(tp: int, batch: int, overlap: bool, args: argparse.Namespace) -> dict:
+def run_case(tp: int, batch: int, overlap: bool, args: argparse.Namespace, dp: bool = False) -> dict:
     """One case: the median of --repeats runs after a warm-up -> its row."""
-    llm = LLM(tp_size=tp, overlap=overlap, max_running=16, chunked_prefill_size=-1, prefix_cache=False)
+    llm = LLM(tp_size=tp, dp_attention=dp, overlap=overlap, max_running=16, chunked_prefill_size=-1, prefix_cache=False)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     runs = []
     try:
@@ -49,12 +55,12 @@ def run_case(tp: int, batch: int, overlap: bool, args: argparse.Namespace) -> di
     finally:
         llm.shutdown()
     runs = runs[1:]
-    row = dict(case=f"tp{tp}-b{batch}-{'overlap' if overlap else 'normal'}", tp=tp, batch=batch,
-               loop="overlap" if overlap else "normal",
+    row = dict(case=f"{'dp' if dp else 'tp'}{tp}-b{batch}-{'overlap' if overlap else 'normal'}", tp=tp, batch=batch,
+               dp_attention=dp, loop="overlap" if overlap else "normal",
                tok_s=round(statistics.median(batch * args.tokens / r["wall"] for r in runs), 1),
                ms_step=round(statistics.median(r["wall"] / r["steps"] * 1e3 for r in runs), 3))
     for rank in range(tp):
-        for phase in ("share", "launch"):
+        for phase in ("share", "agree", "launch"):
             values = [r["phases"][rank].get(phase) for r in runs]
             if None not in values:
                 row[f"{phase}_us_rank{rank}"] = round(statistics.median(values), 1)
@@ -74,11 +80,14 @@ def main() -> None:
         for tp in (1, 2):
             torch.set_num_threads(max(1, threads // tp))
             rows += [run_case(tp, batch, overlap, args) for overlap in (False, True)]
+        rows += [run_case(2, batch, overlap, args, dp=True) for overlap in (False, True)]
     torch.set_num_threads(threads)
-    print(f"{'case':<18}{'tok/s':>9}{'ms/step':>9}{'share us r0':>13}{'share us r1':>13}{'launch us r0':>14}")
+    print(f"{'case':<18}{'tok/s':>9}{'ms/step':>9}{'share us r0':>13}{'share us r1':>13}{'agree us r0':>13}"
+          f"{'launch us r0':>14}")
+    nan = float("nan")
     for r in rows:
-        print(f"{r['case']:<18}{r['tok_s']:>9.1f}{r['ms_step']:>9.2f}{r.get('share_us_rank0', float('nan')):>13.1f}"
-              f"{r.get('share_us_rank1', float('nan')):>13.1f}{r.get('launch_us_rank0', float('nan')):>14.1f}")
+        print(f"{r['case']:<18}{r['tok_s']:>9.1f}{r['ms_step']:>9.2f}{r.get('share_us_rank0', nan):>13.1f}"
+              f"{r.get('share_us_rank1', nan):>13.1f}{r.get('agree_us_rank0', nan):>13.1f}{r.get('launch_us_rank0', nan):>14.1f}")
     if args.json:
         created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S%z")
         args.json.write_text(json.dumps(dict(tool="tools/bench_ranks.py", created=created, argv=sys.argv[1:], device="cpu",
