@@ -244,17 +244,9 @@ def check_tp_size(args: EngineArgs) -> None:
 
 
 def check_dp_attention(args: EngineArgs) -> None:
-    """dp_attention needs several ranks. A drafter is refused with it for now: its steps are a pass of
-    another kind (MTP's draft passes, a verify window), which every rank would have to agree on too (a
-    prompt on one rank pausing the others' decoding)."""
-    if not args.dp_attention:
-        return
-    if args.tp_size == 1:
+    """dp_attention needs several ranks."""
+    if args.dp_attention and args.tp_size == 1:
         raise ValueError("dp_attention=True needs tp_size > 1 (the ranks that share the MLP), got tp_size=1")
-    drafter = [f"{name}={value}" for name, value in (("mtp_steps", args.mtp_steps), ("ngram_steps", args.ngram_steps)) if value]
-    if drafter:
-        raise ValueError(f"dp_attention=True with {drafter[0]}: the ranks agree on plain prefill and decode steps "
-                         "only, for now: drop the drafter or dp_attention")
 # <<< ch20
 
 

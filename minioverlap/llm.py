@@ -187,9 +187,10 @@ class LLM:
         """The checkpoint's MTP layer (a ValueError if it has none), from chapter 15 of the class chosen at
         load. From chapter 20, with several ranks, this rank's shard of it: its attention and MLP split as
         the target's layers are, eh_proj and the norms whole, the target's parallel embedding and head
-        shared, so that every rank's draft logits are whole and every rank drafts the same tokens."""
-        # >>> ch20: sharded as the target is (parallel/mtp.py)
-        if self.group.tp_size > 1:
+        shared, so that every rank's draft logits are whole and every rank drafts the same tokens. Under DP
+        attention the whole layer: each rank drafts for its own requests, with no collective."""
+        # >>> ch20: sharded as the target is (parallel/mtp.py); whole under DP attention, its passes each rank's own
+        if self.group.tp_size > 1 and not self.args.dp_attention:
             return load_tp_mtp(self.model_dir, self.model, self.group)
         # <<< ch20
         # >>> ch15 replaces ch09: of the class chosen at load

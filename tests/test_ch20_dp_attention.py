@@ -1,7 +1,7 @@
 """Chapter 20: DP attention over two ranks on a CPU with gloo. Each rank serves its own requests (the least
 loaded first) and runs attention alone; before every step the ranks agree on it, and a rank with nothing to
 run runs the empty batch. The greedy tokens equal one device's in both loops, with the prefix cache, chunked
-prefill, grammars and seeded sampling, with one rank idle and with one rank prefilling while the other
+prefill, grammars and seeded sampling, MTP and the n-gram drafter, with one rank idle and with one rank prefilling while the other
 decodes, and `hazard_check=True` on every rank; a stream left early and an abort reach the rank that holds
 the request, and the next run is as a fresh engine's; a killed rank ends the engine with RankFailed and no
 process left; a server over two DP ranks; the options and the command line."""
@@ -105,6 +105,26 @@ def test_grammars_and_seeded_sampling_equal_one_device(dp2):
     jsonschema.validate(json.loads(outs[0].text), SCHEMA)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("drafter", [dict(mtp_steps=3), dict(ngram_steps=3)], ids=["mtp3", "ngram3"])
+def test_drafters_give_one_device_s_tokens_and_verify_steps(drafter, overlap):
+    """MTP's layer whole on every rank, or the n-gram lookup, each rank drafting for its own requests; with
+    a grammar on rank 1's request (in the overlap loop that rank handles each step before it builds the
+    next, so every rank does, agreed at the iteration's start). Tokens and verify steps: one device's."""
+    params = [SamplingParams(max_tokens=n) for n in (24, 16, 1, 20, 12)]
+    params[1] = SamplingParams(max_tokens=40, json_schema=SCHEMA)
+    want = LLM(overlap=False, **OPTIONS, **drafter).generate(PROMPTS, params)
+    llm = LLM(tp_size=2, dp_attention=True, overlap=overlap, hazard_check=True, **OPTIONS, **drafter)
+    try:
+        with no_hang(RUN_S):
+            outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        assert [o.verify_steps for o in outs] == [o.verify_steps for o in want]
+        jsonschema.validate(json.loads(outs[1].text), SCHEMA)
+    finally:
+        llm.shutdown()
+
+
 def test_a_stream_left_early_and_an_abort_reach_the_rank_that_holds_the_request(dp2, one_device):
     """A stream is left after rank 1's request has replied (every rank abandons the run); then a request
     of rank 1 is aborted mid-run. After both the engine gives one device's tokens."""
@@ -165,8 +185,6 @@ def test_each_new_request_goes_to_the_least_loaded_rank(loads, count, owners):
 
 @pytest.mark.parametrize("options,message", [
     (dict(dp_attention=True), r"dp_attention=True needs tp_size > 1"),
-    (dict(tp_size=2, dp_attention=True, mtp_steps=2), r"dp_attention=True with mtp_steps=2"),
-    (dict(tp_size=2, dp_attention=True, ngram_steps=2), r"dp_attention=True with ngram_steps=2"),
     (dict(tp_size=5, dp_attention=True), r"tp_size \(5\) must divide intermediate_size"),
     (dict(tp_size=2, dp_attention=1), r"dp_attention must be True or False, got 1"),
 ])

@@ -8,8 +8,10 @@ runs over every rank's tokens at once. So the ranks cannot simply decide alike: 
 what they hold and what they are about to run. Each iteration has three exchanges, all over the CPU group:
 
     before it       rank 0's inbox to every rank (as with tensor parallelism: Scheduler.shared_busy);
-                    then every rank's [busy, load]: the run goes on while any rank has work, and each
-                    new request goes to the least loaded rank, decided alike on every rank (`assign`)
+                    then every rank's [busy, load, handles first]: the run goes on while any rank has
+                    work, each new request goes to the least loaded rank, decided alike on every rank
+                    (`assign`), and if a drafter makes any rank handle its step in flight before it
+                    builds the next, every rank does (`overlap_loop`)
     before a step   every rank's token count for the step it scheduled (`agree`): if all are 0 there is
                     no step; else every rank runs one, each MLP padded to the largest count, and a rank
                     with nothing to run runs the empty batch (`run_empty_batch`)
@@ -37,6 +39,8 @@ from minioverlap.parallel.group import TPGroup
 from minioverlap.scheduler.output_processor import Reply
 from minioverlap.scheduler.scheduler import Scheduler, checksum
 
+MIRRORED = ("cached_tokens", "verify_steps")   # what a reply does not carry but the caller's output reports
+
 
 class DPScheduler(Scheduler):
     """Scheduler for one rank of a DP-attention engine (LLM(tp_size=N, dp_attention=True)). Its loops are
@@ -48,20 +52,25 @@ class DPScheduler(Scheduler):
         self.group = group
         self.mine: dict[int, Req] = {}      # the requests this rank serves, until they finish
         self.remote: dict[int, Req] = {}    # rank 0: its copies of those the other ranks serve
+        self.all_handle_first = False       # this iteration, every rank handles its step in flight first
 
     def fingerprint(self, inbox: list) -> int:
         """Every rank takes the same inbox and holds requests of its own: the inbox alone is compared."""
         return checksum(inbox, [])
 
     def busy_anywhere(self, last: StepOutput | None) -> bool:
-        """After the inbox is shared: every rank's [busy, load] (requests queued and running). The run goes on
-        while any rank is busy or a request arrives; this rank keeps the new requests `assign` gives it."""
+        """After the inbox is shared: every rank's [busy, load, handles first]. The run goes on while any rank
+        is busy (requests queued or running, a step in flight) or a request arrives; this rank keeps the new
+        requests `assign` gives it (by load: requests queued and running); and if any rank must handle its
+        step in flight before it builds the next (a drafter's, chapter 19), every rank does (overlap_loop)."""
         here = bool(self.waiting or self.running) or last is not None
-        ranks = self.group.all_gather_ints([int(here), len(self.waiting) + len(self.running)])
+        first = last is not None and self.runner.waits_for_host(self.running)
+        ranks = self.group.all_gather_ints([int(here), len(self.waiting) + len(self.running), int(first)])
+        self.all_handle_first = any(first for _, _, first in ranks)
         adds = [req for kind, req in self.inbox if kind == "add"]
-        owners = dict(zip([r.uid for r in adds], assign(len(adds), [load for _, load in ranks])))
+        owners = dict(zip([r.uid for r in adds], assign(len(adds), [load for _, load, _ in ranks])))
         self.inbox = deque((kind, item) for kind, item in self.inbox if kind != "add" or self.take(item, owners[item.uid]))
-        return any(busy for busy, _ in ranks) or bool(adds)
+        return any(busy for busy, _, _ in ranks) or bool(adds)
 
     def take(self, req: Req, owner: int) -> bool:
         """Whether a new request is this rank's to serve; rank 0 keeps a copy of the others'."""
@@ -105,13 +114,22 @@ class DPScheduler(Scheduler):
         return self.gather_replies(super().normal_loop())
 
     def overlap_loop(self, last: StepOutput | None) -> tuple[StepOutput | None, list[Reply]]:
+        """Scheduler's, but where any rank must handle its step in flight first, every rank only handles its
+        own (if it has one) and none launches: a rank that launched would meet no partner in its MLPs."""
+        if self.all_handle_first:
+            replies = [] if last is None else self.wait_and_process(last)
+            return None, self.gather_replies(replies)
         out, replies = super().overlap_loop(last)
         return out, self.gather_replies(replies)
+
+    def wait_and_process(self, out: StepOutput) -> list[Reply]:
+        self.wait(out)
+        return self.process(out)
 
     def gather_replies(self, replies: list[Reply]) -> list[Reply]:
         """Every rank's replies of this iteration, on rank 0 (in rank order; [] on the others). Rank 0 writes
         the other ranks' into its copies of their requests, for what it returns to its callers."""
-        sent = [(reply, self.mine[reply.uid].cached_tokens) for reply in replies]
+        sent = [(reply, {name: getattr(self.mine[reply.uid], name) for name in MIRRORED}) for reply in replies]
         for reply in replies:
             if reply.finished:
                 del self.mine[reply.uid]
@@ -119,16 +137,17 @@ class DPScheduler(Scheduler):
         if self.following:
             return []
         for rank_replies in everyone[1:]:
-            for reply, cached_tokens in rank_replies:
-                self.mirror(reply, cached_tokens)
+            for reply, fields in rank_replies:
+                self.mirror(reply, fields)
         return [reply for rank_replies in everyone for reply, _ in rank_replies]
 
-    def mirror(self, reply: Reply, cached_tokens: int) -> None:
-        """Rank 0's copy of another rank's request, brought up to its reply."""
+    def mirror(self, reply: Reply, fields: dict) -> None:
+        """Rank 0's copy of another rank's request, brought up to its reply (and the MIRRORED fields)."""
         req = self.remote[reply.uid]
         req.output_ids.extend(reply.token_ids)
         req.logprobs.extend(reply.logprobs or [])
-        req.cached_tokens = cached_tokens
+        for name, value in fields.items():
+            setattr(req, name, value)
         if reply.finished:
             req.finish_reason, req.error = reply.finish_reason, reply.error
             del self.remote[reply.uid]
