@@ -20,21 +20,9 @@ from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.parallel.dp_scheduler import assign
 from minioverlap.parallel.ranks import RankFailed
+from test_ch20_ranks import OPTIONS, PARAMS, PROMPTS, RUN_S, SCHEMA, tokens_of  # the same requests as tensor parallelism's
 
 pytestmark = [pytest.mark.process, pytest.mark.usefixtures("one_thread")]
-
-PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", [5, 6, 7], "import os\n" * 12,
-           "x = [1, 2, 3]\nprint(x)\n" * 3]
-PARAMS = [SamplingParams(max_tokens=n) for n in (24, 16, 1, 20, 12)]
-OPTIONS = dict(max_running=3, chunked_prefill_size=16)     # requests queue; the long prompts run in chunks
-SCHEMA = {"type": "object", "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 120}}}
-RUN_S = 120                                                # no run of these tests may take longer
-
-
-def tokens_of(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
-    with no_hang(RUN_S):
-        return [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def events(trace, kind: str) -> list:
