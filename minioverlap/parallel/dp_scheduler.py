@@ -67,18 +67,22 @@ class DPScheduler(Scheduler):
         first = last is not None and self.runner.waits_for_host(self.running)
         ranks = self.group.all_gather_ints([int(here), len(self.waiting) + len(self.running), int(first)])
         self.all_handle_first = any(first for _, _, first in ranks)
-        adds = [req for kind, req in self.inbox if kind == "add"]
-        owners = dict(zip([r.uid for r in adds], assign(len(adds), [load for _, load, _ in ranks])))
-        self.inbox = deque((kind, item) for kind, item in self.inbox if kind != "add" or self.take(item, owners[item.uid]))
-        return any(busy for busy, _, _ in ranks) or bool(adds)
+        arrived = self.keep_own([load for _, load, _ in ranks])
+        return any(busy for busy, _, _ in ranks) or arrived
 
-    def take(self, req: Req, owner: int) -> bool:
-        """Whether a new request is this rank's to serve; rank 0 keeps a copy of the others'."""
-        if owner == self.group.tp_rank:
-            self.mine[req.uid] = req
-        elif not self.following:
-            self.remote[req.uid] = req
-        return owner == self.group.tp_rank
+    def keep_own(self, loads: list[int]) -> bool:
+        """The shared inbox, less the new requests `assign` gives to other ranks (rank 0 keeps a copy of
+        those), in its order. Whether any request arrived."""
+        adds = [req for kind, req in self.inbox if kind == "add"]
+        owners = dict(zip([r.uid for r in adds], assign(len(adds), loads)))
+        shared, self.inbox = self.inbox, deque()
+        for kind, item in shared:
+            if kind != "add" or owners[item.uid] == self.group.tp_rank:
+                self.inbox.append((kind, item))
+        self.mine.update((r.uid, r) for r in adds if owners[r.uid] == self.group.tp_rank)
+        if not self.following:
+            self.remote.update((r.uid, r) for r in adds if owners[r.uid] != self.group.tp_rank)
+        return bool(adds)
 
     def schedule(self) -> ForwardBatch | None:
         """This rank's batch, then the agreement on the step (`agree`): None where no rank has one; else this
