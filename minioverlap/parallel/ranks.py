@@ -7,6 +7,8 @@ run after run, for ever. Every rank schedules for itself, as SGLang's and mini-s
 they agree because they start equal and, before every iteration, each takes rank 0's inbox (what rank 0's
 callers sent: requests and aborts), over the CPU group (Scheduler.shared_busy). The same inbox, the same
 state, the same deterministic decisions: the same batch on every rank, whose all-reduces then line up.
+After each exchange the ranks compare fingerprints of what they hold (`parted`): ranks that have parted
+end the engine there, before their batches' collectives could pair wrongly.
 Only rank 0 has callers, and only rank 0's replies go anywhere.
 
 A request crosses as it is, but for what a process cannot pickle or need not carry: its grammar's
@@ -27,8 +29,8 @@ import tempfile
 import time
 import traceback
 import weakref
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import torch
@@ -36,8 +38,8 @@ import torch.multiprocessing as mp
 
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import load_config, resolve_model_dir
-from minioverlap.parallel.group import TPGroup, init_group
 from minioverlap.parallel.dp_attention import check_dp_size
+from minioverlap.parallel.group import TPGroup, init_group
 from minioverlap.parallel.model import check_tp_size
 
 START_TIMEOUT_S = 300.0        # rank 0 waits this long for a rank to load its shard and say it is ready
@@ -107,8 +109,8 @@ class Ranks:
 
     def share(self, items: list, fingerprint: Callable[[list], int] = lambda inbox: 0) -> list:
         """Rank 0's Scheduler.share: its inbox to every other rank (`shared`), kept as it is here; then the
-        ranks compare their schedulers' fingerprints with it (`parted`). If the exchange fails, another rank has
-        failed or died: RankFailed says which, and why; if the ranks have parted, RankFailed says so."""
+        ranks compare their schedulers' fingerprints with it (`parted`). If the exchange fails, another rank
+        has failed or died: RankFailed says which, and why; if the ranks have parted, RankFailed says so."""
         if self.failed:
             raise RankFailed(self.failed)
         try:
