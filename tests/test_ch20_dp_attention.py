@@ -9,8 +9,6 @@ process left; a server over two DP ranks; the options and the command line."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import jsonschema
 import pytest
@@ -19,8 +17,8 @@ from conftest import no_hang
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.parallel.dp_scheduler import assign
-from minioverlap.parallel.ranks import RankFailed
-from test_ch20_ranks import OPTIONS, PARAMS, PROMPTS, RUN_S, SCHEMA, tokens_of  # the same requests as tensor parallelism's
+from test_ch20_ranks import (OPTIONS, PARAMS, PROMPTS, RUN_S, SCHEMA,  # the same requests as tensor parallelism's
+                             kill_rank_1_between_runs, tokens_of)
 
 pytestmark = [pytest.mark.process, pytest.mark.usefixtures("one_thread")]
 
@@ -131,15 +129,7 @@ def test_a_stream_left_early_and_an_abort_reach_the_rank_that_holds_the_request(
 
 
 def test_a_killed_rank_ends_the_next_run_with_rank_failed_and_no_process_left():
-    llm = LLM(tp_size=2, dp_attention=True)
-    procs = list(llm.ranks.procs)
-    tokens_of(llm, PROMPTS[:2], PARAMS[:2])
-    os.kill(procs[0].pid, signal.SIGKILL)
-    procs[0].join(30)
-    with pytest.raises(RankFailed, match=r"rank 1 died \(exit code -9\)"), no_hang(RUN_S):
-        llm.generate(PROMPTS[:2], PARAMS[:2])
-    assert not [p for p in procs if p.is_alive()]
-    llm.shutdown()
+    kill_rank_1_between_runs(dp_attention=True)
 
 
 def test_a_server_over_two_dp_ranks_serves_one_device_s_text():

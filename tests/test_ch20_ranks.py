@@ -154,13 +154,19 @@ def test_a_rank_that_raises_ends_the_engine_with_its_error_and_no_process_left(m
 
 
 def test_a_killed_rank_ends_the_next_run_with_rank_failed_and_no_process_left():
-    llm = LLM(tp_size=2, overlap=False)
+    kill_rank_1_between_runs(overlap=False)
+
+
+def kill_rank_1_between_runs(**options) -> None:
+    """Two ranks run two requests; rank 1 is killed; the next run raises RankFailed with its exit code and
+    leaves no rank process."""
+    llm = LLM(tp_size=2, **options)
     procs = list(llm.ranks.procs)
-    tokens_of(llm, PROMPTS[:1], PARAMS[:1])
+    tokens_of(llm, PROMPTS[:2], PARAMS[:2])
     os.kill(procs[0].pid, signal.SIGKILL)
     procs[0].join(30)
     with pytest.raises(RankFailed, match=r"rank 1 died \(exit code -9\)"), no_hang(RUN_S):
-        llm.generate(PROMPTS[:1], PARAMS[:1])
+        llm.generate(PROMPTS[:2], PARAMS[:2])
     assert not [p for p in procs if p.is_alive()]
     llm.shutdown()
 
