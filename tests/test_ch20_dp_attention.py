@@ -4,7 +4,7 @@ run runs the empty batch. The greedy tokens equal one device's in both loops, wi
 prefill, grammars and seeded sampling, MTP and the n-gram drafter, with one rank idle and with one rank prefilling while the other
 decodes, and `hazard_check=True` on every rank; a stream left early and an abort reach the rank that holds
 the request, and the next run is as a fresh engine's; a killed rank ends the engine with RankFailed and no
-process left; a server over two DP ranks; the options and the command line."""
+process left; four DP ranks; a server over two DP ranks; the options and the command line."""
 
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ def test_grammars_and_seeded_sampling_equal_one_device(dp2):
         outs = dp2.generate(PROMPTS[:3], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     jsonschema.validate(json.loads(outs[0].text), SCHEMA)
+
+
+def test_four_dp_ranks_give_one_device_s_tokens(one_device):
+    """Four ranks, five requests arriving at once: one to each rank, the fifth to rank 0 (ties go to the
+    lowest rank). The tokens are one device's."""
+    llm = LLM(tp_size=4, dp_attention=True, overlap=True, **OPTIONS)
+    try:
+        assert tokens_of(llm) == one_device
+        served = [{u for e in events(trace, "launch") for u in e.uids} for trace in llm.rank_traces()]
+        assert [len(s) for s in served] == [2, 1, 1, 1]
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
