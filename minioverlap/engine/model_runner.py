@@ -292,6 +292,17 @@ class ModelRunner:
         """The schedule stream made current: the scheduler's loop runs each iteration inside it."""
         return self.streams.schedule()
     # <<< ch06
+    # >>> ch20: DP attention's empty batch
+
+    @torch.inference_mode()
+    def run_empty_batch(self) -> None:
+        """The step of a DP-attention rank with nothing to run (parallel/dp_scheduler.py): the model over no
+        tokens, on the forward stream. It attends to nothing but joins every layer's MLP collectives
+        (DPAttentionQwen3ForCausalLM.forward); there is nothing to wait for or handle after it."""
+        nothing = torch.empty(0, dtype=torch.long, device=self.device)
+        with self.streams.forward():
+            self.model(nothing, nothing, None)
+    # <<< ch20
     # >>> ch13: CUDA graphs
 
     def init_graphs(self, max_running: int) -> None:

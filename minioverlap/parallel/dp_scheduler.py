@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from minioverlap.engine.forward_batch import ForwardBatch
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
@@ -107,11 +105,9 @@ class DPScheduler(Scheduler):
         # <<< exercise 20.3
 
     def run_empty_batch(self) -> None:
-        """The step of a rank with nothing to run: no tokens, no attention, but every layer's MLP collectives,
-        so that the ranks with tokens find this one in each. Nothing to wait for or handle after it."""
-        nothing = torch.empty(0, dtype=torch.long, device=self.runner.device)
-        with self.runner.streams.forward(), torch.inference_mode():
-            self.runner.model(nothing, nothing, None)
+        """The step of a rank with nothing to run: the runner runs the model over no tokens, which joins every
+        layer's MLP collectives, so that the ranks with tokens find this one in each."""
+        self.runner.run_empty_batch()
         self.trace.record("idle", self.step, [])
 
     def normal_loop(self) -> list[Reply]:
