@@ -16,9 +16,8 @@ import jsonschema
 import pytest
 
 from minioverlap import LLM, SamplingParams
+from minioverlap.constrained import grammar
 from minioverlap.constrained.grammar import Grammar
-from minioverlap.engine import sampler
-from minioverlap.speculative import accept
 
 PROMPTS = ["def fibonacci(n):", "x = {", "import json\ndata = "]
 FREE = ["class Stack:", "    for i in range(10):"]
@@ -130,13 +129,20 @@ def test_a_free_batch_puts_no_sample_off():
     assert not [e for e in llm.trace if e.kind == "mask"]
 
 
-def test_with_mtp_a_constrained_request_makes_the_overlap_loop_handle_each_step_first():
-    """With MTP a constrained verify is not put off: the overlap loop waits for and handles step N before it
-    schedules step N+1 (SpecRunner.waits_for_host), and the tokens are the normal loop's."""
-    llm = LLM(overlap=True, mtp_steps=3)
-    llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, regex=r"\d{16}"))
-    order = events(llm.trace, ("launch", "wait"))
-    assert order == [(k, n) for n in range(1, len(order) // 2 + 1) for k in ("launch", "wait")]
+def test_with_mtp_a_constrained_verify_puts_its_accept_off():
+    """With MTP the overlap loop launches step N+1's draft and verify passes before it waits for step N, and
+    queues N+1's accept and draft extend once step N is handled (`mask`), as a plain step puts off its
+    sample. Exactly, for the first steps; the tokens are the normal loop's without MTP."""
+    params = SamplingParams(max_tokens=16, regex=r"\d{16}")
+    llm = LLM(overlap=True, mtp_steps=3, hazard_check=True)
+    out = llm.generate(PROMPTS[0], params)[0]
+    assert events(llm.trace)[:16] == [
+        ("schedule", 1), ("launch", 1),
+        ("schedule", 2), ("launch", 2), ("wait", 1), ("process", 1), ("reply", 1), ("mask", 2),
+        ("schedule", 3), ("launch", 3), ("wait", 2), ("process", 2), ("reply", 2), ("mask", 3),
+        ("schedule", 4), ("launch", 4)]
+    assert out.token_ids == LLM(overlap=False).generate(PROMPTS[0], params)[0].token_ids
+    assert out.verify_steps < len(out.token_ids)
 
 
 def test_regex_output_matches_whole(llm):
@@ -196,8 +202,7 @@ def test_a_grammar_that_allows_no_token_fails_its_request_alone(llm, free_tokens
 def test_a_token_its_grammar_forbids_fails_its_request_alone(llm, free_tokens, monkeypatch):
     """Without the mask the model's greedy first token breaks the grammar: the request fails alone, with
     the token named in its reply, and the free requests finish as without it."""
-    monkeypatch.setattr(sampler, "mask_logits", lambda logits, reqs: logits)
-    monkeypatch.setattr(accept, "mask_window", lambda logits, drafts, reqs: logits)
+    monkeypatch.setattr(grammar, "masked", lambda logits, bitmask: logits)
     replies = list(llm.stream([FREE[0], PROMPTS[0], FREE[1]],
                               [SamplingParams(max_tokens=24), SamplingParams(regex=PHONE), SamplingParams(max_tokens=24)]))
     [failed] = [r for r in replies if r.finish_reason == "error"]

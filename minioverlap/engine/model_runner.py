@@ -225,8 +225,8 @@ class ModelRunner:
 
     def waits_for_host(self, running: list[Req]) -> bool:
         """Whether the overlap loop must handle the step in flight before it builds the next: never for a
-        plain step (a constrained one puts its sample off instead, and only that waits). A speculative
-        runner's may (SpecRunner)."""
+        plain step (a constrained one puts its sample off instead, and only that waits), nor with MTP (a
+        constrained verify puts off its accept); always with a drafter on the host (NgramRunner)."""
         return False
 
     def launch_forward(self, batch: ForwardBatch, step: int) -> StepOutput:

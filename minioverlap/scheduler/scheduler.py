@@ -233,8 +233,8 @@ class Scheduler(OutputProcessorMixin):
             return None, self.process(last)
         # <<< ch16
         # >>> ch19: a step the runner builds from the tokens the step in flight accepts: that step is handled first
-        # (a drafter on the host drafts from them; MTP's constrained windows are masked by them). The device
-        # idles from the end of step N until N+1 is launched: a wait overlap cannot remove.
+        # A drafter on the host drafts from those tokens: the device idles from the end of step N until
+        # N+1 is launched, a wait overlap cannot remove.
         if last is not None and self.runner.waits_for_host(self.running):
             self.wait(last)
             return None, self.process(last)
@@ -357,12 +357,13 @@ class Scheduler(OutputProcessorMixin):
     # >>> ch19: the sample a constrained step put off
 
     def launch_step(self, batch: ForwardBatch) -> StepOutput:
-        """The runner launches the step; if a constrained request of it is also in the step in flight, its
-        forward alone: that request's mask needs the token the step in flight gives it, so the step's sample
-        waits until that step is handled (sample_put_off). A request new to the batch has taken no token
-        yet: its mask is ready."""
-        in_flight = {r for out in self.in_flight for r in out.batch.reqs}
-        if any(r.grammar is not None and r in in_flight for r in batch.reqs):
+        """The runner launches the step; if the step in flight gives a constrained request of it a token, its
+        forward alone (with MTP, its passes up to the verify's): that request's mask needs the token, so the
+        step's sample (or accept) waits until that step is handled (sample_put_off). A request new to the
+        batch, or whose step in flight is a chunk of its prompt, takes no token before this step: its mask
+        is ready."""
+        given = {r for out in self.in_flight for r in out.batch.reqs if r not in out.batch.chunked}
+        if any(r.grammar is not None and r in given for r in batch.reqs):
             return self.runner.launch_forward(batch, self.step)
         return self.runner.launch(batch, self.step)
 

@@ -32,11 +32,8 @@ from minioverlap.engine.sampler import adjusted_probs, fail_alone
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, W, vocab] of the verify step, drafts [B, W-1] -> tokens [B, W] and accept_lens [B]. From
-    chapter 19 a constrained request's rows are masked first, each by its grammar after the drafts before it."""
-    # >>> ch19: a constrained request judges its drafts by the masked rows (a copy: the logprobs stay the model's)
-    if any(req.grammar is not None for req in reqs):
-        logits = mask_window(logits, drafts, reqs)
-    # <<< ch19
+    chapter 19 a constrained request's rows come masked (mask_window), each by its grammar after the drafts
+    before it."""
     tokens = logits.argmax(dim=-1)
     accept_lens = accept_greedy(drafts, tokens)
     for i, req in enumerate(reqs):
@@ -75,12 +72,13 @@ def accept_sampled(logits: torch.Tensor, drafts: torch.Tensor, req: Req) -> tupl
 # >>> ch19: grammar-constrained windows
 
 
-def mask_window(logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-    """logits [B, W, vocab] -> a copy with each constrained request's rows masked (window_bitmask). The
-    masks need the drafts on the host: the host waits for the drafter's passes here, while the verify
-    pass it queued before them may still run. The accept rule over masked rows is still lossless: row j's
-    mask is the one plain constrained decoding would use after d1..dj, and a draft its grammar forbids has
-    probability 0 there, so it is never accepted."""
+def mask_window(logits: torch.Tensor, drafts: list[list[int]], reqs: list[Req]) -> torch.Tensor:
+    """logits [B, W, vocab] and the drafts on the host -> the logits themselves if no request follows a
+    grammar, else a copy with each constrained request's rows masked (window_bitmask). The accept rule
+    over masked rows is still lossless: row j's mask is the one plain constrained decoding would use after
+    d1..dj, and a draft its grammar forbids has probability 0 there, so it is never accepted."""
+    if not any(req.grammar is not None for req in reqs):
+        return logits
     from minioverlap.constrained.grammar import masked, window_bitmask   # xgrammar: see that module
-    return masked(logits, window_bitmask(reqs, drafts.tolist(), logits.shape[-1]))
+    return masked(logits, window_bitmask(reqs, drafts, logits.shape[-1]))
 # <<< ch19

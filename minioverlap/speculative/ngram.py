@@ -29,7 +29,7 @@ from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
-from minioverlap.speculative.accept import accept
+from minioverlap.speculative.accept import accept, mask_window
 from minioverlap.speculative.verify_batch import build_verify_batch, resolve_window, window_slack
 
 
@@ -85,8 +85,8 @@ class NgramRunner(ModelRunner):
         drafts to the device, one target pass over the windows, the accept rule."""
         if batch.mode is not ForwardMode.TARGET_VERIFY:
             return super().run(batch, step)
-        drafts = to_device(self.propose(batch.reqs), torch.int64, self.device)
-        tokens, accept_lens, input_ids, read_done = self.verify(batch, drafts)
+        proposed = self.propose(batch.reqs)
+        tokens, accept_lens, input_ids, read_done = self.verify(batch, proposed)
         out = self.output(step, batch, input_ids, tokens, accept_lens, read_done)
         out.logprobs = self.logprobs
         return out
@@ -105,17 +105,19 @@ class NgramRunner(ModelRunner):
         self.lookup_ns.append(time.perf_counter_ns() - start)
         return drafts
 
-    def verify(self, batch: ForwardBatch, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
-        """The window b, d1..dk in token_pool, one target pass over it, the accept rule -> each request's
-        window of tokens [B, W], its accept length [B], the step's inputs and the fence's event."""
+    def verify(self, batch: ForwardBatch, proposed: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
+        """The window b, d1..dk in token_pool, one target pass over it, the accept rule (over masked rows
+        where a grammar constrains: the drafts are the host's own) -> each request's window of tokens
+        [B, W], its accept length [B], the step's inputs and the fence's event."""
         B, W, ctx = len(batch.reqs), batch.extend_lens[0], self.attention(batch)
+        drafts = to_device(proposed, torch.int64, self.device)
         self.tables.write_drafts(batch, drafts)              # after the bonus token the previous step wrote
         input_ids = self.read_inputs(batch)
         read_done = self.streams.record()                    # the step has read the shared tables
         hidden = self.model(input_ids, batch.positions, ctx)
         self.record_kv_accesses(batch)
         logits = self.model.compute_logits(hidden).view(B, W, -1)    # every row: row j judges draft j+1
-        tokens, accept_lens = accept(logits, drafts, batch.reqs)
+        tokens, accept_lens = accept(mask_window(logits, proposed, batch.reqs), drafts, batch.reqs)
         self.logprobs = step_logprobs(logits, tokens, batch.reqs)
         self.tables.write_window(batch, tokens)              # the accepted tokens, and the next bonus at L + accept_len
         return tokens, accept_lens, input_ids, read_done

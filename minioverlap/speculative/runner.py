@@ -25,7 +25,7 @@ draft extend over the prompt (each row reads the next prompt token; the last row
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,6 +56,10 @@ from minioverlap.engine.logprobs import step_logprobs
 # >>> ch18: a chunk's next prompt token
 from minioverlap.device.transfer import to_device
 # <<< ch18
+# >>> ch19: a constrained window
+from minioverlap.device.transfer import to_host
+from minioverlap.speculative.accept import mask_window
+# <<< ch19
 
 
 class SpecRunner(ModelRunner):
@@ -105,14 +109,15 @@ class SpecRunner(ModelRunner):
         """The target over the prompts, the bonus token sampled, the draft extend over the prompts ->
         each request's window of one (the bonus), its accept length, the step's inputs, the fence's event."""
         ctx, input_ids = self.attention(batch), self.read_inputs(batch)
+        spec = SpecStep(batch, ctx, self, input_ids=input_ids)
         # >>> ch12 fix read-done-after-draft-extend removes ch09: the draft extend reads the page table later, and records the event
-        #| read_done = self.streams.record()                 # as a plain step records it: once the inputs are read
+        #| spec.read_done = self.streams.record()            # as a plain step records it: once the inputs are read
         # <<< ch12
-        hidden = self.target(batch, input_ids, ctx)
+        spec.hidden = self.target(batch, input_ids, ctx)
         self.record_kv_accesses(batch)
         # >>> ch16 replaces ch09: the logits kept, for the logprobs
-        #| bonus = sample(self.model.compute_logits(hidden[batch.last_index]), batch.reqs)
-        logits = self.model.compute_logits(hidden[batch.last_index])
+        #| bonus = sample(self.model.compute_logits(spec.hidden[batch.last_index]), batch.reqs)
+        logits = self.model.compute_logits(spec.hidden[batch.last_index])
         bonus = sample(logits, batch.reqs)
         # the bonus token's logprobs: from these logits, in this step, on their way to the host before the
         # tokens' copy (run hands them to the step)
@@ -130,28 +135,43 @@ class SpecRunner(ModelRunner):
                               torch.int64, self.device)
             next_ids[batch.last_index] = torch.where(after >= 0, after, bonus)
         # <<< ch18
-        # >>> ch12 fix read-done-after-draft-extend replaces ch09: the draft extend's event
-        #| self.draft_extend(batch, next_ids, hidden, batch.last_index, self, read_done)
-        read_done = self.draft_extend(batch, next_ids, hidden, batch.last_index, self)
-        # <<< ch12
+        read_done = self.draft_extend(spec, next_ids, batch.last_index)
         return bonus[:, None], torch.ones_like(bonus), input_ids, read_done
 
     def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
-        """Draft k tokens, verify them with one target pass, accept, and draft-extend over the window."""
+        """Draft k tokens and verify them with one target pass (verify_passes), then accept and draft-extend
+        over the window (accept_window)."""
+        return self.accept_window(self.verify_passes(batch))
+
+    def verify_passes(self, batch: ForwardBatch) -> SpecStep:
+        """The passes of a verify step that need nothing from the host: the window laid out, the k-1 draft
+        passes, the window b, d1..dk written to token_pool and read back, the target over it."""
         batch, draft_inputs = self.resolve(batch)
-        B, W, ctx, passes = len(batch.reqs), batch.extend_lens[0], self.attention(batch), self.passes(batch)
-        drafts = passes.draft(batch, ctx, draft_inputs)
-        self.tables.write_drafts(batch, drafts)              # the window b, d1..dk in token_pool: the verify's input
-        input_ids = self.read_inputs(batch)
+        ctx, passes = self.attention(batch), self.passes(batch)
+        spec = SpecStep(batch, ctx, passes, drafts=passes.draft(batch, ctx, draft_inputs))
+        # >>> ch19: a constrained request's window masks walk its drafts on the host: they start on their way now
+        spec.drafts_cpu = self.drafts_to_host(batch, spec.drafts)
+        # <<< ch19
+        self.tables.write_drafts(batch, spec.drafts)         # the window b, d1..dk in token_pool: the verify's input
+        spec.input_ids = self.read_inputs(batch)
         # >>> ch12 fix read-done-after-draft-extend removes ch09: the draft extend reads the page table later, and records the event
-        #| read_done = self.streams.record()                 # as a plain step records it: once the inputs are read
+        #| spec.read_done = self.streams.record()            # as a plain step records it: once the inputs are read
         # <<< ch12
-        hidden = passes.target(batch, input_ids, ctx)
+        spec.hidden = passes.target(batch, spec.input_ids, ctx)
         self.record_kv_accesses(batch)
-        # >>> ch16 replaces ch09: the logits kept: each window token's logprobs come from its own row
-        #| tokens, accept_lens = accept(self.model.compute_logits(hidden).view(B, W, -1), drafts, batch.reqs)
-        logits = self.model.compute_logits(hidden).view(B, W, -1)
-        tokens, accept_lens = accept(logits, drafts, batch.reqs)
+        return spec
+
+    def accept_window(self, spec: SpecStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Event | None]:
+        """The accept rule over the target's logits, the accepted tokens written, the draft extend over the
+        window -> each request's window of tokens [B, W], its accept length [B], the step's inputs, the
+        fence's event."""
+        batch, B, W = spec.batch, len(spec.batch.reqs), spec.batch.extend_lens[0]
+        logits = self.model.compute_logits(spec.hidden).view(B, W, -1)
+        # >>> ch19 replaces ch09: a constrained request's drafts judged by its masked rows (a copy: the logprobs stay the model's)
+        #| tokens, accept_lens = accept(logits, spec.drafts, batch.reqs)
+        tokens, accept_lens = accept(self.masked_window(logits, spec), spec.drafts, batch.reqs)
+        # <<< ch19
+        # >>> ch16: each window token's logprobs, from its own row
         self.logprobs = step_logprobs(logits, tokens, batch.reqs)
         # <<< ch16
         self.tables.write_window(batch, tokens)              # the accepted tokens, and the next bonus at L + accept_len
@@ -159,11 +179,7 @@ class SpecRunner(ModelRunner):
         self.relay.publish(batch.req_pool_indices, batch.rows, batch.seq_lens - W + accept_lens)
         # <<< ch10
         last = torch.arange(B, device=tokens.device) * W + accept_lens - 1     # each request's last accepted row
-        # >>> ch12 fix read-done-after-draft-extend replaces ch09: the draft extend's event
-        #| self.draft_extend(batch, tokens.flatten(), hidden, last, passes, read_done)
-        read_done = self.draft_extend(batch, tokens.flatten(), hidden, last, passes)
-        # <<< ch12
-        return tokens, accept_lens, input_ids, read_done
+        return tokens, accept_lens, spec.input_ids, self.draft_extend(spec, tokens.flatten(), last)
 
     def passes(self, batch: ForwardBatch) -> SpecRunner | SpecGraphs:
         """What runs a verify's three passes (draft, target, draft extend): the runner itself, eagerly; from
@@ -189,25 +205,24 @@ class SpecRunner(ModelRunner):
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
-    def draft_extend(self, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, last: torch.Tensor,
-                     # >>> ch13 replaces ch09: or the graphs of the passes
-                     #| passes: SpecRunner,
-                     passes: SpecRunner | SpecGraphs,
-                     # <<< ch13
-                     # >>> ch12 fix read-done-after-draft-extend removes ch09: it records the event itself
-                     #| read_done: Event | None,
-                     # <<< ch12
-                     ) -> Event | None:
+    def draft_extend(self, spec: SpecStep, next_ids: torch.Tensor, last: torch.Tensor) -> Event | None:
         """The MTP layer over the step's rows (tokens p+1, the target's hidden states at p): its KV for
         them, and from each request's `last` row the next first draft and its hidden state, kept for the
         next step. Like SGLang's draft extend, a pass of its own: it prepares its own attention context,
         reading the page table. Returns the event the fence waits for (from chapter 12 its own, recorded
         after that read: the step's last read of a table the scheduler writes)."""
+        batch = spec.batch
+        # >>> ch19: a step that put its accept off read the page table when launched, and recorded the event then
+        if spec.launch_page_table is not None:
+            self.stash_drafts(batch, *spec.passes.extend_rows(batch, next_ids, spec.hidden, last, spec.launch_page_table))
+            return None
+        # <<< ch19
         page_table = self.tables.page_table(batch, "the draft extend")
-        # >>> ch12 fix read-done-after-draft-extend: the page-table read above is the step's last read of a shared table
+        # >>> ch12 fix read-done-after-draft-extend replaces ch09: the page-table read above is the step's last read of a shared table
+        #| read_done = spec.read_done                        # the step's, recorded once its inputs were read
         read_done = self.streams.record()
         # <<< ch12
-        self.stash_drafts(batch, *passes.extend_rows(batch, next_ids, hidden, last, page_table))
+        self.stash_drafts(batch, *spec.passes.extend_rows(batch, next_ids, spec.hidden, last, page_table))
         return read_done
 
     def extend_rows(self, batch: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, last: torch.Tensor,
@@ -251,12 +266,48 @@ class SpecRunner(ModelRunner):
 
     # >>> ch19: a constrained window
 
-    def waits_for_host(self, running: list[Req]) -> bool:
-        """With a constrained request running, the overlap loop handles each step before it builds the next:
-        the verify's accept needs every constrained request's window masks, which need the tokens the step
-        before accepted, and its draft extend needs the accept. Putting off all of that (as a plain step
-        puts off its sample) is left undone here: these steps run as the normal loop runs them."""
-        return any(r.grammar is not None for r in running)
+    def drafts_to_host(self, batch: ForwardBatch, drafts: torch.Tensor) -> tuple[torch.Tensor, Event | None] | None:
+        """If a request of the step follows a grammar, the drafts start on their way to the host, before the
+        target pass is queued: the window masks walk them (Grammar.fill_window), so the host waits for the
+        drafter's passes alone, while the target's may still run. None if no request does."""
+        if not any(r.grammar is not None for r in batch.reqs):
+            return None
+        cpu, copied = to_host(drafts)
+        return cpu, self.streams.record(copied)
+
+    def masked_window(self, logits: torch.Tensor, spec: SpecStep) -> torch.Tensor:
+        """The verify's logits [B, W, vocab], or, if a request of it follows a grammar, a copy with that
+        request's rows masked (mask_window), once the drafts are on the host."""
+        if spec.drafts_cpu is None:
+            return logits
+        cpu, copied = spec.drafts_cpu
+        self.streams.host_wait(copied, "the host waits for a verify's drafts, to mask its window")
+        return mask_window(logits, cpu.tolist(), spec.batch.reqs)
+
+    def launch_forward(self, batch: ForwardBatch, step: int) -> StepOutput:
+        """A verify launched up to its target pass (verify_passes): its accept needs masks filled from the
+        tokens of the step still in flight, so it is queued later, with the draft extend after it
+        (sample_later), as the plain runner puts off its sample. The step's reads of the shared tables are
+        all queued now, so the fence's event is recorded here, and the draft extend will use the page table
+        the verify read: reading it then, after the event, would race the scheduler's next writes. Only a
+        verify puts its accept off: a prefill's requests have no token in flight (Scheduler.launch_step)."""
+        if batch.mode is not ForwardMode.TARGET_VERIFY:
+            raise RuntimeError(f"step {step}: only a verify puts its accept off, not a {batch.mode.name} step")
+        with self.streams.forward():
+            start = self.streams.timestamp()
+            spec = self.verify_passes(batch)
+            read_done = self.streams.record()
+        spec.launch_page_table = spec.ctx.page_table
+        return StepOutput(step, batch, spec.input_ids, *[None] * 5, read_done, gpu_events=(start, None),
+                          sample_later=partial(self.accept_later, spec))
+
+    def accept_later(self, spec: SpecStep, out: StepOutput) -> StepOutput:
+        """What run does after a verify's passes, for a step that put its accept off: the accept (the masks
+        filled now), the accepted tokens written, the draft extend, the window's copy to the host."""
+        tokens, accept_lens, input_ids, _ = self.accept_window(spec)
+        done = self.output(out.step, out.batch, input_ids, tokens, accept_lens, out.read_done)
+        done.logprobs = self.logprobs
+        return done
     # <<< ch19
 
     def tokens_needed(self, req: Req) -> int:
@@ -285,3 +336,25 @@ def draft_row(batch: ForwardBatch, j: int) -> ForwardBatch:
     B, W = len(batch.reqs), batch.extend_lens[0]
     return replace(batch, mode=ForwardMode.DECODE, positions=batch.positions.view(B, W)[:, j],
                    out_cache_loc=batch.out_cache_loc.view(B, W)[:, j], seq_lens=batch.seq_lens - W + j + 1)
+
+
+@dataclass(eq=False)
+class SpecStep:
+    """A speculative step as its passes leave it for what follows them: the accept (a verify's) and the
+    draft extend. Its fields fill in as the passes are queued."""
+    batch: ForwardBatch                  # a verify's with its windows laid out (SpecRunner.resolve)
+    ctx: PagedAttention                  # the passes' attention context: the page table they read
+    # >>> ch13 replaces ch09: or the graphs of the passes
+    #| passes: SpecRunner                   # what runs the passes, the draft extend's too
+    passes: SpecRunner | SpecGraphs      # what runs the passes, the draft extend's too
+    # <<< ch13
+    drafts: torch.Tensor | None = None   # [B, k] a verify's drafts, on the device
+    input_ids: torch.Tensor | None = None   # [T] the tokens the step read: a verify's windows b, d1..dk
+    hidden: torch.Tensor | None = None   # [T, hidden] the target's
+    # >>> ch12 fix read-done-after-draft-extend removes ch09: the draft extend records the event itself
+    #| read_done: Event | None = None       # the fence's event, recorded once the inputs are read
+    # <<< ch12
+    # >>> ch19: a constrained window; a verify whose accept was put off
+    drafts_cpu: tuple[torch.Tensor, Event | None] | None = None   # the drafts on their way to the host (drafts_to_host)
+    launch_page_table: torch.Tensor | None = None   # the page table it read when launched: its draft extend's
+    # <<< ch19
