@@ -107,8 +107,10 @@ def test_four_dp_ranks_give_one_device_s_tokens(one_device):
 @pytest.mark.parametrize("drafter", [dict(mtp_steps=3), dict(ngram_steps=3)], ids=["mtp3", "ngram3"])
 def test_drafters_give_one_device_s_tokens_and_verify_steps(drafter, overlap):
     """MTP's layer whole on every rank, or the n-gram lookup, each rank drafting for its own requests; with
-    a grammar on rank 1's request (in the overlap loop that rank handles each step before it builds the
-    next, so every rank does, agreed at the iteration's start). Tokens and verify steps: one device's."""
+    a grammar on rank 1's request (with MTP, in the overlap loop, its verify puts its accept off; with the
+    n-gram drafter a rank with a step in flight handles it before it builds the next, so every rank does,
+    agreed at the iteration's start, an idle rank too). Tokens and verify steps: one device's, and every
+    rank agreed on the same steps with the same counts."""
     params = [SamplingParams(max_tokens=n) for n in (24, 16, 1, 20, 12)]
     params[1] = SamplingParams(max_tokens=40, json_schema=SCHEMA)
     want = LLM(overlap=False, **OPTIONS, **drafter).generate(PROMPTS, params)
@@ -119,6 +121,26 @@ def test_drafters_give_one_device_s_tokens_and_verify_steps(drafter, overlap):
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
         assert [o.verify_steps for o in outs] == [o.verify_steps for o in want]
         jsonschema.validate(json.loads(outs[1].text), SCHEMA)
+        agreed = [[(e.step, e.uids) for e in events(trace, "agree")] for trace in llm.rank_traces()]
+        assert agreed[0] and agreed[0] == agreed[1]
+    finally:
+        llm.shutdown()
+
+
+def test_with_the_n_gram_drafter_an_idle_rank_handles_first_with_the_busy_one():
+    """The overlap loop with the n-gram drafter and one request: rank 0 handles each step before it builds
+    the next (its lookup needs the tokens), and rank 1, with no step in flight, must take the same path,
+    or its agreement pairs with rank 0's replies. One device's tokens; rank 1 idle in each of rank 0's
+    steps, with the same agreements."""
+    params = SamplingParams(max_tokens=16)
+    want = LLM(overlap=False, **OPTIONS, ngram_steps=3).generate(PROMPTS[0], params)[0].token_ids
+    llm = LLM(tp_size=2, dp_attention=True, overlap=True, ngram_steps=3, **OPTIONS)
+    try:
+        with no_hang(RUN_S):
+            assert llm.generate(PROMPTS[0], params)[0].token_ids == want
+        rank0, rank1 = llm.rank_traces()
+        assert [e.step for e in events(rank1, "idle")] == [e.step for e in events(rank0, "launch")]
+        assert [(e.step, e.uids) for e in events(rank1, "agree")] == [(e.step, e.uids) for e in events(rank0, "agree")]
     finally:
         llm.shutdown()
 
