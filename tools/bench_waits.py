@@ -3,6 +3,7 @@ drafter's lookup, at batch 1 and 16, in the normal loop and in the overlap loop.
 
     python tools/bench_waits.py                                   # prints the table
     python tools/bench_waits.py --json chapters/figures/19-cpu-waits.json
+    python tools/bench_waits.py --device cuda --kinds free grammar mtp grammar-mtp ngram   # on a GPU
 
 Every case runs the same prompts (bench_cpu.py's 16 code prompts, or the first of them at batch 1), greedy,
 and each request makes exactly --tokens new tokens, so that the cases do the same work:
@@ -18,10 +19,15 @@ and each request makes exactly --tokens new tokens, so that the cases do the sam
               us` is the host time of a step's lookups; the accept length is tokens per verify pass. The
               overlap loop handles each step before the next is built (its trace: no launch before the
               wait), so its steps equal the normal loop's
+    mtp       MTP drafting --drafts tokens a step (the shipped model's MTP layer), no grammar
+    grammar-mtp   MTP under the regex: a verify window's masks (`mask us`: window_bitmask per step). In
+              the overlap loop the verify's accept and draft extend are put off (`mask`), so that the
+              masks are filled while the verify pass runs
 
 Each case is warmed up once and run --repeats times; the table gives the median. On a CPU a step's
 forward runs when it is launched (there is no device to queue it on), so no loop can hide anything
-here: the numbers are the host's costs, which on a GPU decide whether a wait is hidden.
+there: the numbers are the host's costs, which on a GPU decide whether a wait is hidden. With --device
+cuda the same cases show what a GPU hides: the overlap loop's rates against the normal loop's.
 """
 
 from __future__ import annotations
@@ -41,13 +47,15 @@ from minioverlap import LLM, SamplingParams  # noqa: E402
 from minioverlap.constrained import grammar  # noqa: E402
 
 REGEX = r"[0-9a-z_,.]{400}"             # no end before 400 characters: every request runs --tokens tokens
+KINDS = ("free", "grammar", "ngram", "mtp", "grammar-mtp")
 
 
 class FillTimer:
-    """Wraps grammar.token_bitmask (the sampler imports it at each call) to add up its host time."""
+    """Wraps a mask filler of the grammar module, token_bitmask (a plain step's) or window_bitmask (a verify
+    window's; the sampler and mask_window import them at each call), to add up its host time."""
 
-    def __init__(self) -> None:
-        self.ns, self.calls, self.inner = 0, 0, grammar.token_bitmask
+    def __init__(self, name: str) -> None:
+        self.name, self.ns, self.calls, self.inner = name, 0, 0, getattr(grammar, name)
 
     def __call__(self, *args):
         start = time.perf_counter_ns()
@@ -60,14 +68,17 @@ class FillTimer:
 
 def run_case(kind: str, batch: int, overlap: bool, args: argparse.Namespace) -> dict:
     """One case: the median of --repeats runs after a warm-up -> its row of the table."""
-    options = dict(overlap=overlap, max_running=16, chunked_prefill_size=-1, prefix_cache=False)
+    options = dict(overlap=overlap, max_running=16, chunked_prefill_size=-1, prefix_cache=False, device=args.device)
     if kind == "ngram":
         options["ngram_steps"] = args.drafts
+    if kind.endswith("mtp"):
+        options["mtp_steps"] = args.drafts
     llm = LLM(**options)
-    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, regex=REGEX if kind == "grammar" else None)
+    constrained = kind.startswith("grammar")
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, regex=REGEX if constrained else None)
     prompts = PROMPTS[:batch]
-    timer = FillTimer()
-    grammar.token_bitmask = timer
+    timer = FillTimer("window_bitmask" if kind.endswith("mtp") else "token_bitmask")
+    setattr(grammar, timer.name, timer)
     try:
         runs = []
         for i in range(args.repeats + 1):
@@ -82,7 +93,7 @@ def run_case(kind: str, batch: int, overlap: bool, args: argparse.Namespace) -> 
             runs.append(dict(wall=wall, steps=steps, phases=llm.trace.phase_times_us(), mask_ns=timer.ns,
                              fills=timer.calls, lookup=list(getattr(llm.runner, "lookup_ns", [])), outs=outs))
     finally:
-        grammar.token_bitmask = timer.inner
+        setattr(grammar, timer.name, timer.inner)
     runs = runs[1:]
     tokens = batch * args.tokens
     row = dict(case=f"b{batch}-{'overlap' if overlap else 'normal'}-{kind}", kind=kind, batch=batch,
@@ -91,12 +102,13 @@ def run_case(kind: str, batch: int, overlap: bool, args: argparse.Namespace) -> 
                ms_step=round(statistics.median(r["wall"] / r["steps"] * 1e3 for r in runs), 3),
                phases_us={k: round(statistics.median(r["phases"].get(k, 0.0) for r in runs), 1)
                           for k in runs[0]["phases"]})
-    if kind == "grammar":
+    if constrained:
         row["mask_us"] = round(statistics.median(r["mask_ns"] / r["fills"] / 1e3 for r in runs), 1)
         row["mask_us_per_req"] = round(row["mask_us"] / batch, 1)
     if kind == "ngram":
         row["lookup_us"] = round(statistics.median(statistics.mean(r["lookup"]) / 1e3 for r in runs), 1)
         row["lookup_us_per_req"] = round(row["lookup_us"] / batch, 1)
+    if kind == "ngram" or kind.endswith("mtp"):
         outs = runs[-1]["outs"]
         row["accept_len"] = round(sum(len(o.token_ids) for o in outs) / sum(o.verify_steps for o in outs), 2)
     return row
@@ -108,9 +120,12 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, default=3, help="the n-gram drafter's drafts a step (default 3)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per case, after one warm-up (default 3)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--kinds", nargs="+", default=["free", "grammar", "ngram"], choices=KINDS,
+                    help="the cases (default: free grammar ngram; mtp and grammar-mtp draft --drafts tokens with MTP)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--json", type=Path, help="write the results there (chapters/figures/19-cpu-waits.json)")
     args = ap.parse_args()
-    rows = [run_case(kind, batch, overlap, args) for batch in args.batches for kind in ("free", "grammar", "ngram")
+    rows = [run_case(kind, batch, overlap, args) for batch in args.batches for kind in args.kinds
             for overlap in (False, True)]
     print(f"{'case':<22}{'tok/s':>8}{'ms/step':>9}{'mask us':>9}{'lookup us':>11}{'accept':>8}  phases (us)")
     for r in rows:
@@ -119,7 +134,7 @@ def main() -> None:
               f"{r.get('lookup_us', float('nan')):>11.1f}{r.get('accept_len', float('nan')):>8.2f}  {phases}")
     if args.json:
         created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S%z")
-        args.json.write_text(json.dumps(dict(tool="tools/bench_waits.py", created=created, argv=sys.argv[1:], device="cpu",
+        args.json.write_text(json.dumps(dict(tool="tools/bench_waits.py", created=created, argv=sys.argv[1:], device=args.device,
                                              model="tiny", tokens=args.tokens, drafts=args.drafts, repeats=args.repeats,
                                              regex=REGEX, results=rows), indent=1) + "\n")
 
