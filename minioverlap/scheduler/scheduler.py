@@ -233,8 +233,8 @@ class Scheduler(OutputProcessorMixin):
             return None, self.process(last)
         # <<< ch16
         # >>> ch19: a step the runner builds from the tokens the step in flight accepts: that step is handled first
-        # A drafter on the host drafts from those tokens: the device idles from the end of step N until
-        # N+1 is launched, a wait overlap cannot remove.
+        # A drafter on the host drafts from the tokens step N accepts: the device idles from the end of
+        # step N until N+1 is launched, a wait overlap cannot remove.
         if last is not None and self.runner.waits_for_host(self.running):
             self.wait(last)
             return None, self.process(last)
