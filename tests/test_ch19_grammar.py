@@ -16,8 +16,10 @@ import jsonschema
 import pytest
 
 from minioverlap import LLM, SamplingParams
+from minioverlap.config import Guards
 from minioverlap.constrained import grammar
 from minioverlap.constrained.grammar import Grammar
+from minioverlap.device.hazard import HazardError
 
 PROMPTS = ["def fibonacci(n):", "x = {", "import json\ndata = "]
 FREE = ["class Stack:", "    for i in range(10):"]
@@ -143,6 +145,23 @@ def test_with_mtp_a_constrained_verify_puts_its_accept_off():
         ("schedule", 4), ("launch", 4)]
     assert out.token_ids == LLM(overlap=False).generate(PROMPTS[0], params)[0].token_ids
     assert out.verify_steps < len(out.token_ids)
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["prompt-guard", "no-prompt-guard"])
+def test_a_put_off_accept_writes_its_window_after_the_fence_s_event_and_needs_the_prompt_guard(guard):
+    """With MTP and a grammar the overlap loop records the fence's event when it launches the verify, and the
+    window is written later, with the accept: like a plain step's put-off sample, it relies on chapter 08's
+    prompt guard. One request slot: a constrained request's wasted window and the next request's longer
+    prompt land in the same row of token_pool. With the guard the checker is silent; without, it names it."""
+    llm = LLM(overlap=True, mtp_steps=3, hazard_check=True, guards=Guards(prompt_on_forward_stream=guard),
+              max_running=1, chunked_prefill_size=-1)
+    prompts, params = ["x", LONG], [SamplingParams(max_tokens=3, regex=PHONE), SamplingParams(max_tokens=4)]
+    if guard:
+        assert [o.finish_reason for o in llm.generate(prompts, params)] == ["length", "length"]
+        return
+    with pytest.raises(HazardError, match=r"token_pool row \d+, .* and write on the forward stream \(step \d+: "
+                                          r"the verify writes its accepted tokens\)"):
+        llm.generate(prompts, params)
 
 
 def test_regex_output_matches_whole(llm):
