@@ -10,6 +10,7 @@ handles the results; it reaches the device only through the runner's methods.
 from __future__ import annotations
 
 # >>> ch13: CUDA graphs
+from collections.abc import Callable
 from functools import partial
 # <<< ch13
 
@@ -234,11 +235,15 @@ class ModelRunner:
         step still in flight, so it is queued later, by sample_later (SGLang's delay_sample_func)."""
         with self.streams.forward():
             start = self.streams.timestamp()
-            ctx, input_ids = self.attention(batch), self.read_inputs(batch)
-            read_done = self.streams.record()
-            logits = self.forward(batch, input_ids, ctx)
-        return StepOutput(step, batch, input_ids, *[None] * 5, read_done, gpu_events=(start, None),
-                          sample_later=partial(self.sample_step, logits))
+            input_ids, read_done, later = self.forward_alone(batch)
+        return StepOutput(step, batch, input_ids, *[None] * 5, read_done, gpu_events=(start, None), sample_later=later)
+
+    def forward_alone(self, batch: ForwardBatch) -> tuple[torch.Tensor, Event | None, Callable[[StepOutput], StepOutput]]:
+        """The forward as run begins it -> the step's inputs, the fence's event (recorded once they are
+        read) and what queues the rest: sample_step over the step's logits (SpecRunner: its accept)."""
+        ctx, input_ids = self.attention(batch), self.read_inputs(batch)
+        read_done = self.streams.record()
+        return input_ids, read_done, partial(self.sample_step, self.forward(batch, input_ids, ctx))
 
     def sample_later(self, out: StepOutput) -> None:
         """Queue the rest of a step launched by launch_forward, now that the host can fill its masks: its sample

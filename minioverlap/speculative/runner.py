@@ -57,6 +57,8 @@ from minioverlap.engine.logprobs import step_logprobs
 from minioverlap.device.transfer import to_device
 # <<< ch18
 # >>> ch19: a constrained window
+from collections.abc import Callable
+
 from minioverlap.device.transfer import to_host
 from minioverlap.speculative.accept import mask_window
 # <<< ch19
@@ -284,22 +286,18 @@ class SpecRunner(ModelRunner):
         self.streams.host_wait(copied, "the host waits for a verify's drafts, to mask its window")
         return mask_window(logits, cpu.tolist(), spec.batch.reqs)
 
-    def launch_forward(self, batch: ForwardBatch, step: int) -> StepOutput:
-        """A verify launched up to its target pass (verify_passes): its accept needs masks filled from the
-        tokens of the step still in flight, so it is queued later, with the draft extend after it
-        (sample_later), as the plain runner puts off its sample. The step's reads of the shared tables are
-        all queued now, so the fence's event is recorded here, and the draft extend will use the page table
-        the verify read: reading it then, after the event, would race the scheduler's next writes. Only a
-        verify puts its accept off: a prefill's requests have no token in flight (Scheduler.launch_step)."""
+    def forward_alone(self, batch: ForwardBatch) -> tuple[torch.Tensor, Event | None, Callable[[StepOutput], StepOutput]]:
+        """A verify up to its target pass (verify_passes): its accept needs masks filled from the tokens of
+        the step still in flight, so it is queued later, with the draft extend after it (accept_later), as
+        the plain runner puts off its sample. The step's reads of the shared tables are all queued now, so
+        the fence's event is recorded here, and the draft extend will use the page table the verify read:
+        reading it then, after the event, would race the scheduler's next writes. Only a verify puts its
+        accept off: a prefill's requests have no token in flight (Scheduler.launch_step)."""
         if batch.mode is not ForwardMode.TARGET_VERIFY:
-            raise RuntimeError(f"step {step}: only a verify puts its accept off, not a {batch.mode.name} step")
-        with self.streams.forward():
-            start = self.streams.timestamp()
-            spec = self.verify_passes(batch)
-            read_done = self.streams.record()
+            raise RuntimeError(f"only a verify puts its accept off, not a {batch.mode.name} step")
+        spec = self.verify_passes(batch)
         spec.launch_page_table = spec.ctx.page_table
-        return StepOutput(step, batch, spec.input_ids, *[None] * 5, read_done, gpu_events=(start, None),
-                          sample_later=partial(self.accept_later, spec))
+        return spec.input_ids, self.streams.record(), partial(self.accept_later, spec)
 
     def accept_later(self, spec: SpecStep, out: StepOutput) -> StepOutput:
         """What run does after a verify's passes, for a step that put its accept off: the accept (the masks
