@@ -92,6 +92,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["tp_size"] = args.tp
     if args.dp_attention:
         options["dp_attention"] = True
+    if args.dist_timeout is not None:
+        options["dist_timeout"] = args.dist_timeout
     # <<< ch20
     return options
 # >>> ch09: MTP
@@ -298,6 +300,8 @@ def parser() -> argparse.ArgumentParser:
                          help="tensor parallelism over N ranks, one process and one device each (chapter 20)")
         cmd.add_argument("--dp-attention", action="store_true",
                          help="with --tp N: each rank serves its own requests, attention alone, the MLP over all (chapter 20)")
+        cmd.add_argument("--dist-timeout", type=float, default=None, metavar="S",
+                         help="seconds a collective waits for a stuck rank (default 60; an idle wait has none)")
     # <<< ch20
     # >>> ch19: n-gram drafts
     for cmd in sub.choices.values():

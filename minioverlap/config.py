@@ -61,6 +61,7 @@ class EngineArgs:
     # >>> ch20: several devices
     tp_size: int = 1                          # > 1: tensor parallelism over that many ranks (NCCL; gloo on a CPU)
     dp_attention: bool = False                # with tp_size > 1: each rank its own requests and attention, the MLP shared
+    dist_timeout: float = 60.0                # seconds a collective waits for a stuck peer (not for work: that has no deadline)
     # <<< ch20
 
     def __post_init__(self) -> None:
@@ -247,6 +248,13 @@ def check_dp_attention(args: EngineArgs) -> None:
     """dp_attention needs several ranks."""
     if args.dp_attention and args.tp_size == 1:
         raise ValueError("dp_attention=True needs tp_size > 1 (the ranks that share the MLP), got tp_size=1")
+
+
+def check_dist_timeout(args: EngineArgs) -> None:
+    """dist_timeout: a positive number of seconds."""
+    timeout = args.dist_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"dist_timeout must be a positive number of seconds, got {timeout!r}")
 # <<< ch20
 
 
@@ -276,5 +284,6 @@ CHECKS = [
     # >>> ch20: several devices
     check_tp_size,
     check_dp_attention,
+    check_dist_timeout,
     # <<< ch20
 ]

@@ -87,7 +87,7 @@ class LLM:
         self.dtype = _resolve_dtype(self.args.dtype, self.device, self.model_dir)
         # >>> ch20: with tp_size > 1, rank 0 (this process) starts the other ranks, each loading its shard
         starts_ranks = self.args.tp_size > 1 and _group is None
-        self.ranks = Ranks(model, options, self.args.tp_size, self.device) if starts_ranks else None
+        self.ranks = Ranks(model, options, self.args.tp_size, self.device, self.args.dist_timeout) if starts_ranks else None
         self.group = _group or (self.ranks.group if self.ranks else TPGroup.single())
         # <<< ch20
         # >>> ch15 replaces ch01: the fast path or the reference, chosen once (kernels=None: on for CUDA, off for CPU)

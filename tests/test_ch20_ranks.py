@@ -224,3 +224,66 @@ def test_a_server_over_two_ranks_serves_one_device_s_text():
     finally:
         code, output = server.stop()
     assert code == 0, output
+
+
+DEADLINE_S = 5.0     # a collective's deadline in the idle tests (dist_timeout); the ranks idle longer than it
+IDLE_S = 8.0
+
+
+@pytest.mark.parametrize("dp_attention", [False, True], ids=["tp", "dp-attention"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_ranks_idle_past_a_collective_s_deadline_then_give_one_device_s_tokens(overlap, dp_attention, one_device):
+    """Only rank 0 knows when work comes, so between runs the other ranks wait for its next inbox with no
+    deadline. With a collective's deadline of 5 s the ranks idle 8 s between two runs, and the second run's
+    tokens are still one device's (a wait with the deadline ends rank 1 there: the second run raises
+    RankFailed). A stuck peer inside a step is still a timeout; a dead one is found at once (below)."""
+    import time
+    llm = LLM(tp_size=2, overlap=overlap, dp_attention=dp_attention, dist_timeout=DEADLINE_S, **OPTIONS)
+    procs = list(llm.ranks.procs)
+    try:
+        assert tokens_of(llm) == one_device
+        time.sleep(IDLE_S)
+        assert tokens_of(llm) == one_device
+    finally:
+        llm.shutdown()
+    assert_no_rank_left(llm, procs)
+
+
+def rank_processes(server_pid: int) -> list[int]:
+    """The pids of a server's ranks 1..N-1: spawned by its scheduler process (rank 0), a child of the server."""
+    def children(pid: int) -> list[int]:
+        path = f"/proc/{pid}/task/{pid}/children"
+        return [int(p) for p in open(path).read().split()] if os.path.exists(path) else []
+
+    def cmdline(pid: int) -> str:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    return [pid for child in children(server_pid) for pid in children(child)
+            if "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank's process through /proc (Linux)")
+def test_an_idle_server_over_two_ranks_serves_after_the_deadline_and_reports_a_dead_rank_at_once():
+    """`minioverlap serve --tp 2 --dist-timeout 5`: a completion, 8 s idle, the same completion (the ranks
+    waited for work without a deadline); then rank 1 is killed while the server idles, and /health answers
+    503 naming the dead rank within seconds, not at the next request."""
+    import time
+
+    import httpx
+
+    from tests.serving import Server
+    server = Server("--tp", "2", "--dist-timeout", str(DEADLINE_S))
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    try:
+        first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60.0).json()["choices"][0]["text"]
+        time.sleep(IDLE_S)
+        again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60.0).json()["choices"][0]["text"]
+        assert again == first
+        [rank_1] = rank_processes(server.process.pid)
+        os.kill(rank_1, signal.SIGKILL)
+        deadline = time.monotonic() + 15.0
+        while (health := httpx.get(f"{server.url}/health", timeout=5.0)).status_code == 200:
+            assert time.monotonic() < deadline, "/health still says ok 15 s after rank 1 died"
+            time.sleep(0.2)
+        assert health.status_code == 503 and "rank 1 died" in health.json()["status"], health.text
+    finally:
+        server.stop()

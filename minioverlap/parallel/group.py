@@ -34,8 +34,11 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
 
-DEFAULT_TIMEOUT_S = 60.0      # a collective that waits this long for a dead peer raises instead of hanging
+DEFAULT_TIMEOUT_S = 60.0      # a collective that waits this long for a stuck peer raises instead of hanging
+JOIN_TIMEOUT_S = 300.0        # joining waits this long for the slowest rank's process to start
+IDLE_TIMEOUT = timedelta(days=365)   # no deadline: a follower waits this long for rank 0's next inbox
 
 
 @dataclass
@@ -48,6 +51,7 @@ class TPGroup:
     tp_size: int = 1
     process_group: dist.ProcessGroup | None = None     # the device group; None: one rank, no torch.distributed
     cpu_group: dist.ProcessGroup | None = None         # the CPU group (gloo), for the schedulers' exchanges
+    timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)   # each collective's deadline
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -57,7 +61,7 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the ranks, in place; returns t."""
         if self.tp_size > 1:
-            self.process_group.allreduce([t]).wait()
+            self.process_group.allreduce([t], self.options(AllreduceOptions())).wait()
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -66,23 +70,25 @@ class TPGroup:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-        self.process_group.allgather([parts], [t]).wait()
+        self.process_group.allgather([parts], [t], self.options(AllgatherOptions())).wait()
         return torch.cat(parts, dim=dim)
 
-    def broadcast_object(self, obj: object, src: int = 0) -> object:
+    def broadcast_object(self, obj: object, src: int = 0, idle: bool = False) -> object:
         """Rank src's obj (any picklable object) on every rank; the other ranks' obj is ignored. As
         torch.distributed's broadcast_object_list does it: the pickle's length, then its bytes, each a
-        broadcast of a host tensor over the CPU group."""
+        broadcast of a host tensor over the CPU group. idle: the other ranks wait for the length without
+        a deadline (an engine with nothing to do sends nothing; a server is idle most of its life)."""
         if self.tp_size == 1:
             return obj
         data = pickle.dumps(obj) if self.tp_rank == src else b""
-        size = self.broadcast(torch.tensor([len(data)], dtype=torch.int64), src)
+        size = self.broadcast(torch.tensor([len(data)], dtype=torch.int64), src, IDLE_TIMEOUT if idle else None)
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
         return pickle.loads(self.broadcast(buffer, src).numpy().tobytes())
 
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank src's host tensor t on every rank, in place, over the CPU group; returns t."""
-        opts = dist.BroadcastOptions()
+    def broadcast(self, t: torch.Tensor, src: int = 0, timeout: timedelta | None = None) -> torch.Tensor:
+        """Rank src's host tensor t on every rank, in place, over the CPU group; returns t. timeout: this
+        wait's own deadline (None: the group's)."""
+        opts = self.options(BroadcastOptions(), timeout)
         opts.rootRank = src
         self.cpu_group.broadcast([t], opts).wait()
         return t
@@ -93,7 +99,7 @@ class TPGroup:
             return [list(values)]
         t = torch.tensor(values, dtype=torch.int64)
         parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-        self.cpu_group.allgather([parts], [t]).wait()
+        self.cpu_group.allgather([parts], [t], self.options(AllgatherOptions())).wait()
         return [p.tolist() for p in parts]
 
     def all_gather_object(self, obj: object) -> list:
@@ -106,8 +112,13 @@ class TPGroup:
         mine = torch.zeros(max(sizes), dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty_like(mine) for _ in range(self.tp_size)]
-        self.cpu_group.allgather([parts], [mine]).wait()
+        self.cpu_group.allgather([parts], [mine], self.options(AllgatherOptions())).wait()
         return [pickle.loads(p[:n].numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+    def options(self, opts, timeout: timedelta | None = None):
+        """A collective's options with its deadline: timeout, or the group's."""
+        opts.timeout = timeout or self.timeout
+        return opts
 
     def destroy(self) -> None:
         """Leave the groups."""
@@ -118,19 +129,21 @@ def init_group(rank: int, world_size: int, init_method: str, device: str | torch
                timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
     """Join the group of world_size processes that meet at init_method ("file:///tmp/x" or
     "tcp://127.0.0.1:29500"): NCCL for a CUDA device, gloo otherwise. Every rank must call it. The
-    broadcasts of the scheduler's inbox go over gloo on a CPU, as SGLang's CPU group carries them."""
+    broadcasts of the scheduler's inbox go over gloo on a CPU, as SGLang's CPU group carries them.
+    Joining waits up to JOIN_TIMEOUT_S for the other ranks (a process that imports torch and loads a shard
+    may take a while to start); each collective after it, timeout_s."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     device = torch.device(device)
-    timeout = timedelta(seconds=timeout_s)
-    store = make_store(init_method, rank, world_size, timeout)
-    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, world_size, gloo_options(timeout))
+    join, timeout = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)), timedelta(seconds=timeout_s)
+    store = make_store(init_method, rank, world_size, join)
+    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, world_size, gloo_options(join))
     device_store = dist.PrefixStore("device", store)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        return TPGroup(rank, world_size, dist.ProcessGroupNCCL(device_store, rank, world_size), cpu_group)
-    return TPGroup(rank, world_size, dist.ProcessGroupGloo(device_store, rank, world_size, gloo_options(timeout)),
-                   cpu_group)
+        return TPGroup(rank, world_size, dist.ProcessGroupNCCL(device_store, rank, world_size), cpu_group, timeout)
+    return TPGroup(rank, world_size, dist.ProcessGroupGloo(device_store, rank, world_size, gloo_options(join)),
+                   cpu_group, timeout)
 
 
 def gloo_options(timeout: timedelta) -> dist.ProcessGroupGloo._Options:

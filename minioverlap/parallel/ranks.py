@@ -19,6 +19,10 @@ Stopping. `Ranks.shutdown` sends the ranks a stop through the same channel, wait
 any that do not end. A rank that fails sends its traceback up its pipe and exits; rank 0's next
 collective then fails (its peer is gone) and the LLM raises RankFailed with that traceback, after killing
 the other ranks: no process is left. Ranks are daemon processes, so they end with rank 0 in any case.
+
+Idling. Between runs (and in a server, for as long as no request comes) the other ranks wait for rank 0's
+next inbox with no deadline: only rank 0 knows when work comes. A rank that dies meanwhile is found at
+once by a server (`Ranks.wait`, beside its wait for requests) and by a script at its next run.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.multiprocessing as mp
@@ -55,9 +59,9 @@ class RankFailed(RuntimeError):
 class Ranks:
     """Rank 0's side: the other ranks' processes, a pipe from each, and the group they all joined."""
 
-    def __init__(self, model: str, options: dict, tp_size: int, device: str) -> None:
+    def __init__(self, model: str, options: dict, tp_size: int, device: str, timeout_s: float) -> None:
         """Start ranks 1..tp_size-1 (each builds `LLM(model, **options)` over its shard and reports ready),
-        and join the group with them as rank 0."""
+        and join the group with them as rank 0; a collective waits timeout_s for a peer (dist_timeout)."""
         check_size = check_dp_size if options.get("dp_attention") else check_tp_size
         check_size(load_config(resolve_model_dir(model)), tp_size)           # before any process starts
         ctx = mp.get_context("spawn")
@@ -67,12 +71,12 @@ class Ranks:
         for rank in range(1, tp_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=follow, args=(rank, tp_size, init_method, model, options, rank_device(device, rank),
-                                                    theirs), daemon=True, name=f"minioverlap-rank-{rank}")
+                                                    theirs, timeout_s), daemon=True, name=f"minioverlap-rank-{rank}")
             proc.start()
             self.procs.append(proc)
             self.pipes.append(ours)
         self._kill = weakref.finalize(self, kill, self.procs)     # if rank 0 forgets to shut down
-        self.group = init_group(0, tp_size, init_method, rank_device(device, 0))
+        self.group = init_group(0, tp_size, init_method, rank_device(device, 0), timeout_s)
         for rank, pipe in enumerate(self.pipes, start=1):
             self.expect(rank, pipe, "ready")
 
@@ -122,6 +126,15 @@ class Ranks:
             self.fail(apart)
         return items
 
+    def wait(self, conn: Connection) -> None:
+        """Block until conn has something to read, or a rank dies: then RankFailed, at once, naming it. An
+        idle server waits here, so that its health says the engine has stopped when it has, not at the next
+        request."""
+        if self.failed:
+            raise RankFailed(self.failed)
+        if conn not in wait([conn, *(proc.sentinel for proc in self.procs)]):
+            self.fail(self.failure() or "a rank died")
+
     def traces(self) -> list:
         """Each other rank's trace of its last run, asked for through the inbox channel (between runs)."""
         self.share([TRACES])
@@ -165,19 +178,21 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if str(device).startswith("cuda") else "cpu"
 
 
-def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict, device: str, pipe: Connection) -> None:
+def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict, device: str, pipe: Connection,
+           timeout_s: float) -> None:
     """A rank's main: join the group, build the engine over this rank's shard, say ready, then run the
-    scheduler's loop run after run (each starts when rank 0's does: the first shared inbox) until the stop."""
+    scheduler's loop run after run (each starts when rank 0's does: the first shared inbox) until the stop.
+    Between runs it waits for rank 0's next inbox without a deadline (`idle`)."""
     from minioverlap.llm import LLM     # the engine's face builds the ranks: imported here, in the rank's process
     try:
         torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
-        group = init_group(rank, tp_size, init_method, device)
+        group = init_group(rank, tp_size, init_method, device, timeout_s)
         llm = LLM(model, _group=group, **(options | {"device": device}))
         pipe.send(("ready", ""))
         scheduler, last = llm.scheduler, [llm.scheduler.trace]
 
         def share(items: list) -> list:                  # rank 0's inbox, once the ranks have compared
-            inbox = received(group.broadcast_object(None), llm.processor)
+            inbox = received(group.broadcast_object(None, idle=True), llm.processor)
             if apart := parted(group, scheduler.fingerprint(inbox), inbox):
                 raise RankFailed(apart)
             return inbox
