@@ -3,18 +3,17 @@
 
 The names stay the same from chapter 01 on; what serves them changes: one prompt at a time with a
 contiguous cache (01), on the paged cache (02), one batch for all prompts (03), the scheduler's loop (04).
+What it serves them with, the engine, is built in builder.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
-from minioverlap.config import EngineArgs
-# >>> ch13: CUDA graphs
-from minioverlap.config import use_cuda_graphs
-# <<< ch13
+from minioverlap.builder import Engine, engine_args
+# >>> ch20: the other ranks' devices
+from minioverlap.builder import check_device
+# <<< ch20
 # >>> ch02 removes ch01: chapter 01's path: one prompt at a time, a contiguous cache
 #| from minioverlap.reference.contiguous import serve
 # <<< ch02
@@ -24,180 +23,58 @@ from minioverlap.config import use_cuda_graphs
 # >>> ch04 removes ch03: chapter 03's path: one batch of up to max_running prompts at a time
 #| from minioverlap.reference.batch_generate import serve
 # <<< ch04
-# >>> ch02: the paged cache
-from minioverlap.engine.model_runner import ModelRunner
-# <<< ch02
 from minioverlap.engine.request import Req
-from minioverlap.model.loader import DTYPES, checkpoint_dtype, load_model, load_tokenizer, resolve_model_dir
-from minioverlap.processor import Params, Processor, Prompt, RequestOutput
-from minioverlap.sampling_params import SamplingParams, _integer, integral
+from minioverlap.processor import Params, Prompt, RequestOutput
+from minioverlap.sampling_params import SamplingParams, integral
 # >>> ch04: the scheduler
 from minioverlap.device.trace import Trace
-from minioverlap.scheduler.scheduler import Reply, Scheduler
+from minioverlap.scheduler.scheduler import Reply
 # <<< ch04
-# >>> ch08: the hazard checker
-from minioverlap.device.hazard import HazardChecker
-# <<< ch08
-# >>> ch09: the MTP drafter, and the runner that speculates with it
-from minioverlap.speculative.runner import SpecRunner
-from minioverlap.model.mtp import MTPLayer, load_mtp
-# <<< ch09
-# >>> ch15: the fast path
-from minioverlap.config import use_kernels
-from minioverlap.engine.backend import backend
-# <<< ch15
-# >>> ch18: chunked prefill
-from minioverlap.config import chunk_size
-# <<< ch18
-# >>> ch19: the n-gram drafter on the host
-from minioverlap.speculative.ngram import NgramRunner
-# <<< ch19
 # >>> ch20: several devices
-from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.parallel.group import TPGroup
-from minioverlap.parallel.dp_scheduler import DPScheduler
-from minioverlap.parallel.loader import load_dp_model, load_tp_model
-from minioverlap.parallel.mtp import load_tp_mtp
-from minioverlap.parallel.ranks import Ranks
+from minioverlap.ranks import Ranks
 # <<< ch20
 
-class LLM:
+
+class LLM(Engine):
     """Load a checkpoint and generate from prompts (text or token ids)."""
 
-    def __init__(self, model: str = "tiny",
-                 # >>> ch20: a rank's engine is given its group (Ranks starts it, in the rank's process)
-                 _group: TPGroup | None = None,
-                 # <<< ch20
-                 **options) -> None:
-        """Load the checkpoint and build the engine: the runner (the model, the page pool, the tables), from
-        chapter 13 its graphs, from chapter 17 its prefix cache, and the scheduler (from chapter 18 with the
-        step's budget of prompt tokens). `options` are the fields
-        of EngineArgs (minioverlap/config.py), each with its default there and the chapter that adds it.
+    def __init__(self, model: str = "tiny", **options) -> None:
+        """Build the engine (builder.py) that `options` describe: the fields of EngineArgs
+        (minioverlap/config.py), each with its default there and the chapter that adds it.
 
         From chapter 20, with tp_size > 1, this process is rank 0: before it loads anything it starts the
-        other ranks (parallel/ranks.py), processes that build this same engine over their own shards, and
-        joins their group; then it loads its own shard, and its scheduler shares its inbox with theirs
-        before every iteration. Each of those processes makes its LLM with `_group`, the group it has
-        joined, and starts nothing. shutdown() stops them. If another rank fails or dies, rank 0's next
+        other ranks (minioverlap/ranks.py), processes that build this same engine over their own shards,
+        and joins their group; then it loads its own shard, and its scheduler shares its inbox with theirs
+        before every iteration. shutdown() stops them. If another rank fails or dies, rank 0's next
         exchange with it raises RankFailed, with its traceback, and every other rank's process is stopped:
         the engine cannot go on without a shard of every layer."""
-        self.args = _engine_args(model, options)
-        self.model_dir = resolve_model_dir(model)
-        self.device = _check_device(self.args.device)
-        self.dtype = _resolve_dtype(self.args.dtype, self.device, self.model_dir)
-        # >>> ch20: with tp_size > 1, rank 0 (this process) starts the other ranks, each loading its shard
-        starts_ranks = self.args.tp_size > 1 and _group is None
-        self.ranks = Ranks(model, options, self.args.tp_size, self.device, self.args.dist_timeout) if starts_ranks else None
-        self.group = _group or (self.ranks.group if self.ranks else TPGroup.single())
+        # >>> ch20: the other ranks, started by join_group
+        self.ranks: Ranks | None = None
+        self.options = options
         # <<< ch20
-        # >>> ch15 replaces ch01: the fast path or the reference, chosen once (kernels=None: on for CUDA, off for CPU)
-        #| self.model = load_model(self.model_dir, self.dtype, self.device)
-        self.backend = backend(use_kernels(self.args))
-        # >>> ch20 replaces ch15: or this rank's shard of it
-        #| self.model = load_model(self.model_dir, self.dtype, self.device, self.backend.model)
-        self.model = self.load_model()
+        super().__init__(engine_args(model, options))
+        # >>> ch20: rank 0's scheduler shares its inbox with the other ranks' before every iteration
+        if self.ranks is not None:
+            self.scheduler.share = lambda items: self.ranks.share(items, self.scheduler.fingerprint)
         # <<< ch20
-        # <<< ch15
-        self.config = self.model.config
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_seq_len = _check_max_seq_len(self.args.max_seq_len, self.config.max_position_embeddings)
-        self.processor = Processor(self.tokenizer, self.model_dir, self.config, self.max_seq_len)
         self.next_uid = 0
         # >>> ch04: one run at a time
         self.serving = False                     # a stream is being consumed
         self.unstarted: dict[int, bool] = {}     # a stream's requests until its run starts: uid -> aborted
         # <<< ch04
-        # >>> ch02: the paged cache
-        # >>> ch03 replaces ch02: many request slots
-        #| self.max_running = 1
-        self.max_running = self.args.max_running
-        # <<< ch03
-        self.runner = self.make_runner()
-        # <<< ch02
-        # >>> ch13: the decode (or verify) step captured as CUDA graphs (on for CUDA unless cuda_graphs=False)
-        if use_cuda_graphs(self.args):
-            self.runner.init_graphs(self.max_running)
-        # <<< ch13
-        # >>> ch17: the prefix cache (on unless prefix_cache=False)
-        if self.args.prefix_cache:
-            self.runner.init_prefix_cache()
-        # <<< ch17
-        # >>> ch04: the scheduler
-        self.scheduler = self.make_scheduler()
-        # <<< ch04
-    # >>> ch04: the scheduler
 
-    def make_scheduler(self) -> Scheduler:
-        """The scheduler over the runner; from chapter 18 with the step's budget of prompt tokens; from
-        chapter 20 rank 0's shares its inbox with the other ranks' before every iteration, and under DP
-        attention it is a DPScheduler, which agrees each step with the other ranks'."""
-        # >>> ch20 replaces ch04: under DP attention, a scheduler that agrees each step with the other ranks'
-        #| scheduler = Scheduler(self.runner)
-        agrees_each_step = self.args.dp_attention
-        scheduler = DPScheduler(self.runner, self.group) if agrees_each_step else Scheduler(self.runner)
-        # <<< ch20
-        # >>> ch18: the step's budget of prompt tokens, and mixed steps
-        scheduler.chunked_prefill_size = chunk_size(self.args)
-        scheduler.mixed_chunk = self.args.mixed_chunk
-        # <<< ch18
-        # >>> ch20: rank 0's scheduler shares its inbox with the other ranks' before every iteration
-        if self.ranks is not None:
-            scheduler.share = lambda items: self.ranks.share(items, scheduler.fingerprint)
-        # <<< ch20
-        return scheduler
-    # <<< ch04
-    # >>> ch20: this rank's shard
+    # >>> ch20: rank 0 starts the other ranks
 
-    def load_model(self) -> Qwen3ForCausalLM:
-        """The whole model, or with several ranks this rank's shard of every layer, read as a shard (under
-        DP attention: of every MLP, the rest whole)."""
-        if self.args.dp_attention:
-            return load_dp_model(self.model_dir, self.dtype, self.device, self.group)
-        if self.group.tp_size > 1:
-            return load_tp_model(self.model_dir, self.dtype, self.device, self.group)
-        return load_model(self.model_dir, self.dtype, self.device, self.backend.model)
+    def join_group(self) -> TPGroup:
+        """With tp_size > 1, before anything is loaded: start the other ranks, each loading its shard, and
+        join their group as rank 0."""
+        if self.args.tp_size == 1:
+            return TPGroup.single()
+        self.ranks = Ranks(self.args.model, self.options, self.args.tp_size, check_device(self.args.device),
+                           self.args.dist_timeout)
+        return self.ranks.group
     # <<< ch20
-    # >>> ch02: the paged cache
-
-    def make_runner(self) -> ModelRunner:
-        """The model runner with its pool of pages and its request slots (one before chapter 03); from
-        chapter 09, with mtp_steps, the runner that speculates with the MTP drafter."""
-        sizes = dict(num_pages=self.args.num_pages, page_size=self.args.page_size, max_running=self.max_running,
-                     max_seq_len=self.max_seq_len,
-                     # >>> ch08: the guards, and the checker for everything that records accesses
-                     guards=self.args.resolved_guards(), hazards=HazardChecker() if self.args.hazard_check else None,
-                     # <<< ch08
-                     # >>> ch15: the attention context of the path chosen at load
-                     attention=self.backend.attention,
-                     # <<< ch15
-                     )
-        # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
-        if self.args.mtp_steps:
-            return SpecRunner(self.model, self.load_drafter(), self.args.mtp_steps, **sizes)
-        # <<< ch09
-        # >>> ch19: the n-gram drafter: a lookup on the host, no drafter model
-        if self.args.ngram_steps:
-            return NgramRunner(self.model, self.args.ngram_steps, **sizes)
-        # <<< ch19
-        return ModelRunner(self.model, **sizes)
-    # <<< ch02
-    # >>> ch09: the MTP drafter
-
-    def load_drafter(self) -> MTPLayer:
-        """The checkpoint's MTP layer (a ValueError if it has none), from chapter 15 of the class chosen at
-        load. From chapter 20, with several ranks, this rank's shard of it: its attention and MLP split as
-        the target's layers are, eh_proj and the norms whole, the target's parallel embedding and head
-        shared, so that every rank's draft logits are whole and every rank drafts the same tokens. Under DP
-        attention the whole layer: each rank drafts for its own requests, with no collective."""
-        # >>> ch20: sharded as the target is (parallel/mtp.py); whole under DP attention, its passes each rank's own
-        if self.group.tp_size > 1 and not self.args.dp_attention:
-            return load_tp_mtp(self.model_dir, self.model, self.group)
-        # <<< ch20
-        # >>> ch15 replaces ch09: of the class chosen at load
-        #| return load_mtp(self.model_dir, self.model)
-        return load_mtp(self.model_dir, self.model, self.backend.mtp)
-        # <<< ch15
-    # <<< ch09
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.processor.encode(prompt)
@@ -314,38 +191,3 @@ class LLM:
             raise RuntimeError("rank_traces is asked between runs: a run is in progress (a stream being consumed)")
         return [self.trace] + (self.ranks.traces() if self.ranks is not None else [])
     # <<< ch20
-
-
-def _engine_args(model: str, options: dict) -> EngineArgs:
-    unknown = sorted(set(options) - set(EngineArgs.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"LLM has no option {unknown[0]!r}; its options are the fields of EngineArgs: "
-                         f"{', '.join(EngineArgs.__dataclass_fields__)}")
-    return EngineArgs(model, **options)
-
-
-def _check_max_seq_len(max_seq_len: int | None, limit: int) -> int:
-    if max_seq_len is None:
-        return limit
-    return _integer("max_seq_len", max_seq_len, f"an integer in [2, {limit}] (the model's context)",
-                    lambda n: 2 <= n <= limit)
-
-
-def _check_device(device: str) -> str:
-    kind = str(device).split(":")[0]
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (optionally 'cuda:N'), got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but torch sees no CUDA GPU")
-    return str(device)
-
-
-def _resolve_dtype(dtype: str | torch.dtype | None, device: str, model_dir) -> torch.dtype:
-    """None: fp32 on CPU (fast and exact there), the checkpoint's own dtype on a GPU."""
-    if dtype is None:
-        return torch.float32 if device == "cpu" else checkpoint_dtype(model_dir)
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -81,8 +81,12 @@ class Processor:
                              f"so a prompt may have at most {self.max_seq_len - 1}")
         return ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+    # >>> ch16 replaces ch01: special tokens kept where a request asks (skip_special_tokens=False)
+    #| def decode(self, token_ids: list[int]) -> str:
+    #|     return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens) if self.tokenizer else ""
+    # <<< ch16
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
         """A checked request with its stop rules: EOS unless ignore_eos, max_tokens, the context limit."""
@@ -109,7 +113,7 @@ class Processor:
         if self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer and {self.model_dir} has no tokenizer.json; "
                              f"stop_token_ids take token ids")
-        return TextStream(self.tokenizer, params.stop)
+        return TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
     # <<< ch16
     # >>> ch19: a request's grammar
 
@@ -124,7 +128,7 @@ class Processor:
         if self.grammars is None:
             from minioverlap.constrained.grammar import GrammarBackend   # xgrammar: see that module
             self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        return self.grammars.grammar(params)
+        return self.grammars.grammar(params.grammar_kind, params.json_schema or params.regex)
     # <<< ch19
 
     def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
@@ -146,18 +150,26 @@ class Processor:
     def output(self, req: Req) -> RequestOutput:
         """What the caller gets for a request: its tokens and their text, and what later chapters add (the
         verify steps of MTP, logprobs, the prompt tokens served from the prefix cache)."""
-        out = RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.decode(req.output_ids), req.finish_reason)
+        out = RequestOutput(req.uid, req.prompt_ids, req.output_ids, self.output_text(req), req.finish_reason)
         # >>> ch09: with MTP, the verify steps too
         out.verify_steps = req.verify_steps
         # <<< ch09
         # >>> ch16: the text cut before the stop string that ended it; the logprobs, if asked
-        out.text = out.text[:find_stop(out.text, req.params.stop)]   # OpenAI leaves it out (token_ids keep it)
+        floor = req.text.floor if req.text is not None else 0   # with min_tokens: the first that ends past it (TextStream)
+        out.text = out.text[:find_stop(out.text, req.params.stop, 0, floor)]   # OpenAI leaves it out (token_ids keep it)
         out.logprobs = req.logprobs if req.params.logprobs is not None else None
         # <<< ch16
         # >>> ch17: the prefix cache
         out.cached_tokens = req.cached_tokens
         # <<< ch17
         return out
+
+    def output_text(self, req: Req) -> str:
+        """A request's tokens as text, special tokens skipped; from chapter 16 kept if it asks."""
+        # >>> ch16 replaces ch01: special tokens kept where the request asks (skip_special_tokens=False)
+        #| return self.decode(req.output_ids)
+        return self.decode(req.output_ids, req.params.skip_special_tokens)
+        # <<< ch16
 
 
 def _token_id(field: str, value: object) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 # >>> ch16: the limits of the fields OpenAI's clients send
 MAX_STOP = 16          # stop strings a request may give (each is searched for after every token)
 MAX_LOGPROBS = 20      # the most likely tokens a request may ask for at each position (OpenAI's top_logprobs limit)
+MAX_REPETITION_PENALTY = 2.0   # SGLang's limit (vLLM's before it took any number > 0)
 # <<< ch16
 # >>> ch03: sampling
 # The smallest temperature > 0: the smallest normal float64. The sampler divides by the temperature, and a
@@ -44,6 +45,10 @@ class SamplingParams:
     # >>> ch16: the fields OpenAI's clients send
     stop: tuple[str, ...] = ()         # stop strings: the request ends once its text holds one (finish_reason "stop")
     logprobs: int | None = None        # None: none; 0: each token's log-probability; k >= 1: and the k most likely
+    min_p: float = 0.0                 # drop tokens less likely than min_p times the top one (after the temperature)
+    repetition_penalty: float = 1.0    # each token of the prompt or output so far: its logit / it if > 0, else * it
+    min_tokens: int = 0                # EOS and the stop tokens and strings cannot end it before this many tokens
+    skip_special_tokens: bool = True   # the text leaves special tokens out (OpenAI's); False keeps them
     # <<< ch16
     # >>> ch19: grammar-constrained output (at most one of the three)
     json_schema: str | dict | None = None   # the output is JSON valid against this schema (a dict, kept as its JSON text)
@@ -61,8 +66,9 @@ class SamplingParams:
         # >>> ch04: stop tokens
         checked["stop_token_ids"] = _stop_token_ids(self.stop_token_ids)
         # <<< ch04
-        # >>> ch16: stop strings and logprobs
+        # >>> ch16: stop strings and logprobs; min_p, repetition_penalty, min_tokens, skip_special_tokens
         checked |= {"stop": _stop_strings(self.stop), "logprobs": _logprobs(self.logprobs)}
+        checked |= self._checked_openai_fields()
         # <<< ch16
         # >>> ch19: at most one grammar, which xgrammar compiles; a schema kept as its JSON text
         if not isinstance(self.json_object, bool):
@@ -87,6 +93,20 @@ class SamplingParams:
         top_p = _real("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
         return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     # <<< ch03
+    # >>> ch16: the sampling fields vLLM's and SGLang's OpenAI servers take
+
+    def _checked_openai_fields(self) -> dict[str, object]:
+        """min_p, repetition_penalty and min_tokens checked, as plain Python numbers; skip_special_tokens a bool."""
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
+        min_p = _real("min_p", self.min_p, "in [0, 1] (0: off)", lambda p: 0 <= p <= 1)
+        penalty = _real("repetition_penalty", self.repetition_penalty, f"in (0, {MAX_REPETITION_PENALTY:g}] (1: off)",
+                        lambda r: 0 < r <= MAX_REPETITION_PENALTY)
+        min_tokens = _integer("min_tokens", self.min_tokens, "an integer >= 0", lambda n: n >= 0)
+        if min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens!r}), got {self.min_tokens!r}")
+        return {"min_p": min_p, "repetition_penalty": penalty, "min_tokens": min_tokens}
+    # <<< ch16
     # >>> ch19: grammar-constrained output
 
     def _checked_grammar(self) -> str | None:
@@ -105,6 +125,9 @@ class SamplingParams:
                 name = given[0]
                 raise ValueError(f"{name} must be {GRAMMAR_RULES[name]} that xgrammar compiles, got "
                                  f"{_short(getattr(self, name))}: {error}")
+        if given and self.min_tokens:
+            raise ValueError(f"min_tokens must be 0 with a grammar ({given[0]}), got {self.min_tokens!r}: the grammar "
+                             f"may end the output sooner, where it allows EOS alone, which min_tokens forbids")
         return schema
 
     @property

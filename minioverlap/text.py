@@ -17,25 +17,30 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 
-def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int | None:
-    """Where the first stop string in text[start:] begins (the smallest index of any), or None."""
-    found = [i for s in stop if (i := text.find(s, start)) >= 0]
+def find_stop(text: str, stop: tuple[str, ...], start: int = 0, floor: int = 0) -> int | None:
+    """Where the first stop string in text[start:] begins (the smallest index of any), or None. With
+    min_tokens, only a stop string that ends past `floor` characters counts (TextStream.floor)."""
+    found = [i for s in stop if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
     return min(found, default=None)
 
 
 class TextStream:
-    """One request's text, decoded token by token (DecodeStream, special tokens skipped), searched for
-    its stop strings as it grows. Only a request with stop strings needs one in the scheduler. A
-    checkpoint without a tokenizer (tokenizer None) takes token ids and gives no text."""
+    """One request's text, decoded token by token (DecodeStream, special tokens skipped unless
+    skip_special_tokens is False), searched for its stop strings as it grows. Only a request with stop
+    strings needs one in the scheduler. A checkpoint without a tokenizer (tokenizer None) takes token ids
+    and gives no text. With min_tokens, a stop string counts only if it ends in the text of the
+    min_tokens-th token or a later one (as vLLM checks none before): one earlier stays in the text."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.decoder = DecodeStream(skip_special_tokens=True)
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, tuple(stop), min_tokens
+        self.decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.hold = max(map(len, self.stop), default=1) - 1   # a stop string's start can lie this far back
         self.text = ""                   # the text of the tokens decoded so far
         self.decoded = 0                 # how many tokens that is
         self.end: int | None = None      # where the first stop string begins, once one is in the text
         self.sent = 0                    # characters given out by add
+        self.floor = 0                   # a stop string must end past this: the text before the min_tokens-th token
 
     def decode(self, ids: list[int]) -> None:
         """Decode more tokens. After each piece of text, search the part a new stop string can be in:
@@ -44,9 +49,11 @@ class TextStream:
             piece = (self.decoder.step(self.tokenizer, token) or "") if self.tokenizer else ""   # no tokenizer: no text
             start = max(len(self.text) - self.hold, 0)
             self.text += piece
-            if piece and self.end is None:
-                self.end = find_stop(self.text, self.stop, start)
-        self.decoded += len(ids)
+            self.decoded += 1
+            if self.decoded < self.min_tokens:
+                self.floor = len(self.text)
+            elif piece and self.end is None:
+                self.end = find_stop(self.text, self.stop, start, self.floor)
 
     def holds_stop(self, output_ids: list[int]) -> bool:
         """output_ids: all the request's tokens so far; those not decoded yet are decoded. True once the

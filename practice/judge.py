@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import json
 import os
 import re
@@ -332,7 +333,7 @@ def cmd_start(root: Path, ex_id: str, force: bool) -> int:
     if dest.exists() and not force:
         raise JudgeError(f"{_rel(dest, root)} already exists and holds your work on exercise {ex.id}; "
                          f"`start {ex.id} --force` replaces it with a fresh stub")
-    stage = steps.build_stage(root, ex.chapter, dest, stub=ex.id)
+    stage = lay_workspace(root, ex, dest)
     progress = load_progress(root)
     progress.setdefault(ex.id, {})["status"] = "started"
     save_progress(root, progress)
@@ -341,6 +342,50 @@ def cmd_start(root: Path, ex_id: str, force: bool) -> int:
     console.print(f"test  {escape(_command(root, 'test', ex.id))}   (runs {escape(', '.join(ex.tests))})")
     console.print(f"hint  {escape(_command(root, 'hint', ex.id))}")
     return 0
+
+
+def held_back(root: Path, ex: Exercise) -> list[str]:
+    """The exercises after `ex` in its chapter whose regions are in the file it edits. Its workspace lays
+    them as stubs too, so that the file the learner edits holds no answer of an exercise still to come
+    (17.1's radix.py holds 17.2's `RadixCache.problems`). The regions of earlier exercises, and of other
+    files, stay whole: the engine that the tests run needs them (16.2's receive step runs every request),
+    and what an earlier exercise asked the learner has written already."""
+    markers = steps.find_exercises(root)
+    if (own := markers.get(ex.id)) is None:
+        return []
+    later = [m.id for m in markers.values() if m.path == own.path and m.id != ex.id
+             and int(m.id.split(".")[0]) == ex.chapter and int(m.id.split(".")[1]) > ex.order[1]]
+    return sorted(later, key=lambda i: int(i.split(".")[1]))
+
+
+def lay_workspace(root: Path, ex: Exercise, dest: Path, *, answer: bool = False) -> Path:
+    """Exercise `ex`'s workspace in dest: its chapter's stage with its region stubbed (with `answer`,
+    its reference kept: what `check` proves its tests pass on) and the regions of held_back(ex) too."""
+    stage = steps.build_stage(root, ex.chapter, dest, stub=None if answer else ex.id)
+    if (later := held_back(root, ex)):
+        rel = str(steps.find_exercises(root)[ex.id].path)
+        book = steps.load_book(root)
+        stubs = ([] if answer else [ex.id]) + later
+        stubbed = [steps.stage_text(book, rel, ex.chapter, stub=other) for other in stubs]
+        (stage / rel).write_text(overlay(steps.stage_text(book, rel, ex.chapter), stubbed))
+    return stage
+
+
+def overlay(base: str, variants: list[str]) -> str:
+    """`base` with the changes of every variant laid over it: each variant is base with one region of its
+    own changed (a stub), and the regions do not overlap."""
+    lines = base.splitlines(keepends=True)
+    edits = []
+    for text in variants:
+        new = text.splitlines(keepends=True)
+        opcodes = difflib.SequenceMatcher(None, lines, new, autojunk=False).get_opcodes()
+        edits += [(i1, i2, new[j1:j2]) for tag, i1, i2, j1, j2 in opcodes if tag != "equal"]
+    edits.sort(key=lambda edit: edit[:2])
+    if any(later[0] < earlier[1] for earlier, later in zip(edits, edits[1:])):
+        raise JudgeError("two exercise regions of one file overlap: their stubs cannot both be laid")
+    for i1, i2, new in reversed(edits):
+        lines[i1:i2] = new
+    return "".join(lines)
 
 
 def cmd_test(root: Path, ex_id: str, whole_stage: bool = False, verbose: bool = False) -> int:
@@ -531,13 +576,18 @@ def cmd_check(root: Path, jobs: int, only: list[str] | None = None) -> int:
         todo = [v for v in todo if not v.problems]
         stubs = build_stubs(root, todo, Path(tmp))
         chapters = sorted({v.ex.chapter for v in todo})
+        alone = {v.ex.id: lay_workspace(root, v.ex, Path(tmp) / f"answer-{v.ex.id}", answer=True)
+                 for v in todo if held_back(root, v.ex)}   # its reference beside the later ones' stubs
         if jobs > 1:     # runs side by side: one thread each, or torch's threads oversubscribe the cores
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:  # the pytest runs, side by side
             stub_runs = {ex_id: pool.submit(prove_stub, verdicts[ex_id].ex, stub)
                          for ex_id, stub in stubs.items()}
-            ref_runs = [pool.submit(prove_references, [v.ex for v in todo if v.ex.chapter == chapter],
-                                    references[chapter]) for chapter in chapters]
+            ref_runs = [pool.submit(prove_references, [v.ex for v in todo if v.ex.chapter == chapter
+                                                       and v.ex.id not in alone], references[chapter])
+                        for chapter in chapters]
+            ref_runs += [pool.submit(prove_references, [verdicts[ex_id].ex], stage)
+                         for ex_id, stage in alone.items()]
             for ex_id, run in stub_runs.items():
                 verdicts[ex_id].problems += run.result()
             for run in ref_runs:
@@ -654,7 +704,7 @@ def build_stubs(root: Path, verdicts: list[Verdict], tmp: Path) -> dict[str, Pat
     for verdict in verdicts:
         ex = verdict.ex
         try:
-            stubs[ex.id] = steps.build_stage(root, ex.chapter, tmp / f"stub-{ex.id}", stub=ex.id)
+            stubs[ex.id] = lay_workspace(root, ex, tmp / f"stub-{ex.id}")
         except steps.MarkerError as error:
             verdict.problems.append(f"the stub does not build: {error}")
     return stubs
@@ -686,7 +736,7 @@ def prove_stub(ex: Exercise, stub: Path) -> list[str]:
 def prove_references(exercises: list[Exercise], reference: Path) -> dict[str, list[str]]:
     """All tests pass on the reference: one run for the chapter, one per exercise only if it fails."""
     tests = list(dict.fromkeys(test for ex in exercises for test in ex.tests))
-    if run_tests(reference, tests)[0] == 0:
+    if not tests or run_tests(reference, tests)[0] == 0:
         return {}
     problems: dict[str, list[str]] = {}
     for ex in exercises:

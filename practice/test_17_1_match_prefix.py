@@ -6,7 +6,8 @@ prefixes of every length) into a tree of page size 1, 2 or 4, and keeps, beside 
 cached each prefix of whole pages. Then it matches keys (prefixes of what was inserted, the same with a
 token more or less, and random ones), and requires of each match: the pages the table gives for the
 longest cached prefix of the key, in whole pages; a node whose path from the root holds exactly those
-pages; that node locked, an account that holds; and the tree unchanged in what it caches.
+pages; that node locked, lock counts and page counters that hold; the tree unchanged in what it caches;
+and every node the match passed marked used now, so that eviction keeps the prefixes requests match.
 
     python practice/judge.py test 17.1
 """
@@ -18,7 +19,7 @@ import random
 import pytest
 
 from minioverlap.cache.allocator import PageAllocator
-from minioverlap.cache.radix import RadixCache
+from minioverlap.cache.radix import Node, RadixCache
 
 CASES = 60
 
@@ -47,6 +48,24 @@ def build(rng: random.Random, size: int) -> tuple[RadixCache, dict[tuple[int, ..
     return tree, first, seqs
 
 
+def account(tree: RadixCache, locked: Node) -> list[str]:
+    """What disagrees when one request locked `locked` (the root: none): each node on its path has lock 1,
+    every other node 0, and the page counters add up."""
+    path = set()
+    while locked is not tree.root:
+        path.add(id(locked))
+        locked = locked.parent
+    nodes = list(tree.nodes())
+    wrong = [f"a node of pages {n.pages} has lock {n.lock}, not {int(id(n) in path)}"
+             for n in nodes if n.lock != int(id(n) in path)]
+    if tree.cached_pages != sum(len(n.pages) for n in nodes):
+        wrong.append(f"cached_pages is {tree.cached_pages}, the nodes hold {sum(len(n.pages) for n in nodes)}")
+    if tree.evictable_pages != sum(len(n.pages) for n in nodes if n.lock == 0):
+        wrong.append(f"evictable_pages is {tree.evictable_pages}, the unlocked nodes hold "
+                     f"{sum(len(n.pages) for n in nodes if n.lock == 0)}")
+    return wrong
+
+
 def prompts(rng: random.Random, seqs: list[list[int]]) -> list[list[int]]:
     """Each sequence whole, cut anywhere, with a token more; and random prompts."""
     out = []
@@ -71,9 +90,43 @@ def test_a_match_is_the_longest_cached_prefix_in_whole_pages(size):
             assert tree.path_pages(node) == pages, f"{where}: the node's path holds {tree.path_pages(node)}, not {pages}"
             assert sorted(tree.pages()) == cached, f"{where}: a match changed what the tree caches"
             tree.lock(node)
-            assert tree.problems([node]) == [], f"{where}: locking the node breaks the account: {tree.problems([node])}"
+            assert not (wrong := account(tree, node)), f"{where}: locking the node breaks the account: {wrong}"
             tree.unlock(node)
-            assert tree.problems([]) == [], f"{where}: {tree.problems([])}"
+            assert not (wrong := account(tree, tree.root)), f"{where}: {wrong}"
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_a_match_marks_every_node_it_passes_used_now(size):
+    """After a match, each node from the root to the one where it ends has a last_use later than any
+    node had before the match: eviction takes the least recently used leaves first."""
+    rng = random.Random(1710 + size)
+    for case in range(CASES):
+        tree, _, seqs = build(rng, size)
+        for tokens in prompts(rng, seqs):
+            before = max(n.last_use for n in tree.nodes())
+            _, node = tree.match_prefix(tokens)
+            path = []
+            while node is not tree.root:
+                path.append(node)
+                node = node.parent
+            stale = [n.last_use for n in reversed(path) if n.last_use <= before]
+            assert not stale, (f"case {case}, page size {size}, prompt {tokens}: the match passed {len(path)} "
+                               f"nodes, and {len(stale)} of them kept an old last_use {stale} (the tree's clock "
+                               f"was past {before}): a match marks every node it passes used now")
+
+
+def test_eviction_keeps_the_prefix_matched_last():
+    """Two prompts cached, the first one matched again: when the pool runs short, the other one goes."""
+    tree = RadixCache(PageAllocator(16, 2))
+    first, second = tree.allocator.alloc(2), tree.allocator.alloc(2)
+    tree.insert([1, 1, 2, 2], first)
+    tree.insert([3, 3, 4, 4], second)
+    tree.match_prefix([1, 1, 2, 2, 0])                   # the first prompt's prefix, used again
+    tree.evict(2)
+    kept = tree.match_prefix([1, 1, 2, 2, 0])[0], tree.match_prefix([3, 3, 4, 4, 0])[0]
+    assert kept == (first, []), (f"after evicting 2 pages the tree keeps {kept[0]} of the prefix matched last "
+                                 f"(want {first}) and {kept[1]} of the one cached after it (want []): the "
+                                 f"prefix matched last must be the last evicted")
 
 
 def test_a_key_that_leaves_a_node_in_the_middle_splits_it_there():
@@ -83,7 +136,10 @@ def test_a_key_that_leaves_a_node_in_the_middle_splits_it_there():
     pages = tree.allocator.alloc(3)
     tree.insert(list(range(12)), pages)
     matched, node = tree.match_prefix(list(range(8)) + [0, 0])
-    assert matched == pages[:2] and node.pages == pages[:2] and tree.path_pages(node) == pages[:2]
-    assert [child.pages for child in node.children.values()] == [pages[2:]]
+    assert matched == pages[:2] and node.pages == pages[:2] and tree.path_pages(node) == pages[:2], (
+        f"a key that agrees with the first 2 of a node's 3 pages {pages}: matched {matched}, ending at a node of "
+        f"pages {node.pages}; want {pages[:2]}, at a node of its own holding them (split the node there)")
+    assert [child.pages for child in node.children.values()] == [pages[2:]], (
+        f"the split node's children hold {[child.pages for child in node.children.values()]}, want [{pages[2:]}]")
     assert tree.match_prefix(list(range(11)))[0] == pages[:2], "a partial last page is never matched"
-    assert tree.match_prefix(list(range(12)))[0] == pages
+    assert tree.match_prefix(list(range(12)))[0] == pages, "the whole key matches all 3 pages, across the split"

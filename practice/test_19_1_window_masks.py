@@ -33,7 +33,8 @@ def backend():
 
 
 def grammar(backend, **params) -> Grammar:
-    return backend[0].grammar(SamplingParams(**params))
+    p = SamplingParams(**params)
+    return backend[0].grammar(p.grammar_kind, p.json_schema or p.regex)
 
 
 def ids(backend, text: str) -> list[int]:
@@ -45,7 +46,7 @@ def expected_rows(backend, params: dict, taken: list[int], drafts: list[int]) ->
     ones after the first draft the grammar refuses."""
     rows = xgr.allocate_token_bitmask(len(drafts) + 1, backend[2])
     g = grammar(backend, **params)
-    assert all(g.accept(t) for t in taken)
+    assert all(g.accept(t) for t in taken), f"the test's own tokens {taken} must be ones the grammar takes"
     for j in range(len(drafts) + 1):
         g.matcher.fill_next_token_bitmask(rows, j)
         if j == len(drafts) or not g.accept(drafts[j]) or g.is_terminated():
@@ -55,10 +56,28 @@ def expected_rows(backend, params: dict, taken: list[int], drafts: list[int]) ->
 
 def window(backend, params: dict, taken: list[int], drafts: list[int]) -> tuple[torch.Tensor, Grammar]:
     g = grammar(backend, **params)
-    assert all(g.accept(t) for t in taken)
+    assert all(g.accept(t) for t in taken), f"the test's own tokens {taken} must be ones the grammar takes"
     rows = xgr.allocate_token_bitmask(len(drafts) + 1, backend[2])
     g.fill_window(rows, drafts)
     return rows, g
+
+
+def describe(rows: torch.Tensor) -> list[str]:
+    """Each row of a bitmask as the learner reads it: untouched (all ones), or how many tokens it allows."""
+    bits = (rows.unsqueeze(-1) >> torch.arange(32, dtype=rows.dtype)) & 1
+    allowed = bits.sum(dim=(-1, -2)).tolist()
+    return ["all ones (never filled)" if bool((row == -1).all()) else f"a mask allowing {n} tokens"
+            for row, n in zip(rows, allowed)]
+
+
+def differ(rows: torch.Tensor, want: torch.Tensor, drafts: list[int]) -> str:
+    """What the window's rows got wrong, row by row, against plain constrained decoding's masks."""
+    got, expected = describe(rows), describe(want)
+    wrong = [j for j in range(len(want)) if not torch.equal(rows[j], want[j])]
+    return (f"{len(wrong)} of the window's {len(want)} rows differ from the masks plain constrained decoding "
+            f"gives after the drafts {drafts} (row j: after d1..dj): "
+            + "; ".join(f"row {j}: expected {expected[j]}, got {got[j]}"
+                        + (" (as many, but other tokens)" if got[j] == expected[j] else "") for j in wrong))
 
 
 @pytest.mark.parametrize("text", ["abcd42", "ab", "abab9"])
@@ -66,16 +85,20 @@ def test_drafts_the_grammar_takes_give_each_row_its_mask(backend, text):
     """Every draft is one the grammar takes: row j is the mask after d1..dj, for each j."""
     drafts = ids(backend, text)
     rows, _ = window(backend, dict(regex=REGEX), [], drafts)
-    assert torch.equal(rows, expected_rows(backend, dict(regex=REGEX), [], drafts))
+    want = expected_rows(backend, dict(regex=REGEX), [], drafts)
+    assert torch.equal(rows, want), differ(rows, want, drafts)
 
 
 def test_rows_after_a_draft_the_grammar_refuses_stay_all_ones(backend):
     """The second draft breaks the grammar: rows 0 and 1 are masks, every row after is all ones."""
     drafts = ids(backend, "ab") + ids(backend, "zz") + ids(backend, "cd")
     rows, _ = window(backend, dict(regex=REGEX), [], drafts)
-    assert torch.equal(rows, expected_rows(backend, dict(regex=REGEX), [], drafts))
+    want = expected_rows(backend, dict(regex=REGEX), [], drafts)
+    assert torch.equal(rows, want), differ(rows, want, drafts)
     refused = len(ids(backend, "ab"))                          # the index of "zz" among the drafts
-    assert (rows[refused + 1:] == -1).all() and not (rows[refused] == -1).all()
+    assert (rows[refused + 1:] == -1).all(), (f"draft {refused} is one the grammar refuses: the rows after it "
+                                              f"must stay all ones, got {describe(rows)[refused + 1:]}")
+    assert not (rows[refused] == -1).all(), f"row {refused} must mask the refused draft, got {describe(rows)[refused]}"
 
 
 def test_the_matcher_ends_where_it_began(backend):
@@ -83,12 +106,16 @@ def test_the_matcher_ends_where_it_began(backend):
     taken, drafts = ids(backend, "ab"), ids(backend, "cd12")
     _, g = window(backend, dict(regex=REGEX), taken, drafts)
     fresh = grammar(backend, regex=REGEX)
-    assert all(fresh.accept(t) for t in taken)
+    assert all(fresh.accept(t) for t in taken), f"the test's own tokens {taken} must be ones the grammar takes"
     a, b = (xgr.allocate_token_bitmask(1, backend[2]) for _ in range(2))
     g.matcher.fill_next_token_bitmask(a, 0)
     fresh.matcher.fill_next_token_bitmask(b, 0)
-    assert torch.equal(a, b)
-    assert g.accept(ids(backend, "x")[0]) is False and g.accept(drafts[0]) is True
+    assert torch.equal(a, b), (f"after the window the matcher must be where it began, after {taken}: its next "
+                               f"mask should be {describe(b)[0]}, got {describe(a)[0]} (roll back every draft "
+                               f"it accepted)")
+    assert g.accept(ids(backend, "x")[0]) is False, "after the window the matcher took a token its grammar refuses"
+    assert g.accept(drafts[0]) is True, (f"after the window the matcher refused the first draft {drafts[0]}, which "
+                                         f"the grammar takes after {taken}: it is not where it began")
 
 
 def test_a_draft_that_ends_the_grammar_ends_the_window(backend):
@@ -96,8 +123,10 @@ def test_a_draft_that_ends_the_grammar_ends_the_window(backend):
     back where it began (not terminated)."""
     drafts = ids(backend, "ab12") + [0, 0]                       # 0: the tiny model's EOS
     rows, g = window(backend, dict(regex=REGEX), [], drafts)
-    assert torch.equal(rows, expected_rows(backend, dict(regex=REGEX), [], drafts))
-    assert not g.is_terminated()
+    want = expected_rows(backend, dict(regex=REGEX), [], drafts)
+    assert torch.equal(rows, want), differ(rows, want, drafts)
+    assert not g.is_terminated(), ("after the window the matcher is terminated: the stop token it accepted "
+                                   "as a draft must be rolled back like any other draft")
 
 
 def test_random_windows_over_a_json_schema(backend):
@@ -112,4 +141,5 @@ def test_random_windows_over_a_json_schema(backend):
             drafts = drafts[:-1] + [rng.randrange(backend[2])]
         params = dict(json_schema=SCHEMA)
         rows, _ = window(backend, params, tokens[:start], drafts)
-        assert torch.equal(rows, expected_rows(backend, params, tokens[:start], drafts)), (start, drafts)
+        want = expected_rows(backend, params, tokens[:start], drafts)
+        assert torch.equal(rows, want), f"after the tokens {tokens[:start]}: " + differ(rows, want, drafts)

@@ -1,6 +1,8 @@
 # >>> ch16 file: a real server for the tests
 """A `minioverlap serve` process on 127.0.0.1 on a free port, for chapter 16's tests: started, waited
-for (GET /health), stopped with SIGTERM (the way a supervisor stops it), and checked to exit cleanly."""
+for (GET /health), stopped with SIGTERM (the way a supervisor stops it), and checked to exit cleanly.
+What it prints (an access-log line per request among it) is read as it comes by a thread, so that a
+full pipe never stalls the server."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,13 +37,25 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "minioverlap", "serve", "--port", str(self.port), *on_device, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
         self.wait_healthy(startup_s)
+
+    def read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        """What the server has printed so far (stdout and stderr)."""
+        return "".join(self.lines)
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.process.stdout.read()}")
+                self.reader.join(10)
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return
@@ -48,7 +63,8 @@ class Server:
                 pass
             time.sleep(0.2)
         self.process.kill()
-        raise RuntimeError(f"the server did not answer /health within {timeout_s} s:\n{self.process.stdout.read()}")
+        self.reader.join(10)
+        raise RuntimeError(f"the server did not answer /health within {timeout_s} s:\n{self.output()}")
 
     def integrity(self) -> dict:
         return httpx.get(f"{self.url}/integrity", timeout=30.0).json()
@@ -68,9 +84,11 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
-            out, _ = self.process.communicate(timeout=timeout_s)
+            self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            out, _ = self.process.communicate()
-            raise AssertionError(f"the server did not stop within {timeout_s} s of signal {sig}:\n{out}")
-        return self.process.returncode, out
+            self.process.wait()
+            self.reader.join(10)
+            raise AssertionError(f"the server did not stop within {timeout_s} s of signal {sig}:\n{self.output()}")
+        self.reader.join(10)
+        return self.process.returncode, self.output()

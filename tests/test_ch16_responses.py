@@ -29,14 +29,14 @@ def test_logprobs_cross_the_pipe_and_take_openais_shapes():
     msg = Tokens(9, [1, 2], True, "length", None, logprobs(reply))
     choice = Choice(0, 9, SimpleNamespace(add=lambda ids, finished=False: decode(ids)))   # a TextStream's add
     assert choice.take(msg) == "def f" and choice.finish_reason == "length"
-    legacy = Completion("tiny", lambda t: WORDS[t], logprobs=2).chunk(choice, "def f")["choices"][0]["logprobs"]
+    legacy = Completion("tiny", lambda t: WORDS[t], logprobs=2).chunk(choice, "def f").model_dump()["choices"][0]["logprobs"]
     assert legacy == {"tokens": ["def", " f"], "token_logprobs": [-0.1, -0.7],
                       "top_logprobs": [{"def": -0.1, "(x": -2.5}, {" f": -0.7, "):": -1.0}], "text_offset": [0, 3]}
-    chat = Chat("tiny", lambda t: WORDS[t], logprobs=2).chunk(choice, "def f")["choices"][0]["logprobs"]["content"]
+    chat = Chat("tiny", lambda t: WORDS[t], logprobs=2).chunk(choice, "def f").model_dump()["choices"][0]["logprobs"]["content"]
     assert chat[1] == {"token": " f", "logprob": -0.7, "bytes": [32, 102],
                        "top_logprobs": [{"token": " f", "logprob": -0.7, "bytes": [32, 102]},
                                         {"token": "):", "logprob": -1.0, "bytes": [41, 58]}]}
-    assert Completion("tiny", lambda t: WORDS[t]).chunk(choice, "")["choices"][0]["logprobs"] is None
+    assert Completion("tiny", lambda t: WORDS[t]).chunk(choice, "").model_dump()["choices"][0]["logprobs"] is None
     assert logprobs(SimpleNamespace(logprobs=None)) is None
 
 

@@ -1,4 +1,4 @@
-"""Chapter 17: the prefix cache. Tokens equal the engine's without it (seed 002's grid: both loops, page
+"""Chapter 17: the prefix cache. Tokens equal the engine's without it (on a grid: both loops, page
 sizes 1, 4 and 16, MTP off and on), on prompts that share prefixes of many lengths; the tree evicts in
 the middle of a run; aborts of every kind leave the engine as good as new; the hazard checker stays
 silent; and the account of every page holds after every run."""
@@ -45,9 +45,9 @@ def baseline(cache: dict, prompts: list[list[int]], page_size: int, mtp: int) ->
 @pytest.mark.parametrize("page_size,mtp", list(itertools.product((1, 4, 16), (0, 3))))
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_tokens_equal_the_engine_without_the_cache(expected, overlap, page_size, mtp):
-    """Seed 002's grid: a first run (the prompts prefill together, each computes its own copy), a second
-    run (every prompt hits), then a prompt that extends a finished request's output: equal tokens, no
-    hazard, the account holds after each."""
+    """On the grid (both loops, each page size, MTP off and on): a first run (the prompts prefill
+    together, each computes its own copy), a second run (every prompt hits), then a prompt that extends
+    a finished request's output: equal tokens, no hazard, the account holds after each."""
     llm = LLM(page_size=page_size, overlap=overlap, mtp_steps=mtp, hazard_check=True)
     prompts = shared_prompts()
     want = baseline(expected, prompts, page_size, mtp)
@@ -269,11 +269,20 @@ def test_eviction_takes_unlocked_leaves_least_recently_used_first_and_never_a_lo
 
 
 # ---- the server
+def hit_rate(url: str) -> float:
+    """/metrics' minioverlap:cache_hit_rate."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text)
+    return next(s.value for f in families for s in f.samples if s.name == "minioverlap:cache_hit_rate")
+
+
 @pytest.mark.process
 def test_the_server_reports_cached_tokens_in_openais_usage_field():
     """The second chat with the same system prompt is served partly from the cache: OpenAI's
     usage.prompt_tokens_details.cached_tokens says how much, streamed or not, and the text is the same;
-    with --no-prefix-cache it is 0."""
+    with --no-prefix-cache it is 0. /metrics' cache_hit_rate is the cached prompt tokens over all."""
     import openai
     from tests.serving import Server
 
@@ -294,6 +303,8 @@ def test_the_server_reports_cached_tokens_in_openais_usage_field():
             assert second.choices[0].message.content == first.choices[0].message.content
             report = server.integrity()
             assert report["problems"] is None
+            prompts = 3 * first.usage.prompt_tokens                # /metrics' hit rate: cached / prompt tokens
+            assert hit_rate(server.url) == pytest.approx(2 * hit / prompts)
         finally:
             code, out = server.stop()
         assert code == 0, out

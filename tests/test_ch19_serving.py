@@ -121,11 +121,14 @@ def test_each_of_n_choices_follows_the_schema(client):
 
 BAD = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}
 ERRORS = [  # (endpoint, the fields, param, code, words the message holds)
-    pytest.param("chat", {"response_format": BAD}, "response_format", "invalid_value",
-                 ["json_schema", "xgrammar", "minimum greater than maximum"], id="schema-min-over-max"),
+    pytest.param("chat", {"response_format": BAD}, "response_format.json_schema.schema", "invalid_value",
+                 ["response_format.json_schema.schema must be a JSON schema that xgrammar compiles",
+                  '{"type": "integer", "minimum": 5', "minimum greater than maximum"], id="schema-min-over-max"),
     pytest.param("completions", {"response_format": BAD | {"json_schema": {"name": "bad", "schema": {"type": "nonsense"}}}},
-                 "response_format", "invalid_value", ['Unsupported type "nonsense"'], id="schema-unknown-type"),
-    pytest.param("completions", {"regex": "("}, "regex", "invalid_value", ["regex", "xgrammar", "parenthesis"],
+                 "response_format.json_schema.schema", "invalid_value", ['Unsupported type "nonsense"'],
+                 id="schema-unknown-type"),
+    pytest.param("completions", {"regex": "("}, "regex", "invalid_value",
+                 ['regex must be a regular expression that xgrammar compiles, got "("', "parenthesis"],
                  id="regex-unclosed"),
     pytest.param("chat", {"regex": ""}, "regex", "invalid_value", ["non-empty"], id="regex-empty"),
     pytest.param("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema",

@@ -18,8 +18,8 @@ import pytest
 from conftest import no_hang
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
-from minioverlap.parallel import ranks as ranks_module
-from minioverlap.parallel.ranks import RankFailed, shared
+from minioverlap import ranks as ranks_module
+from minioverlap.ranks import RankFailed, shared
 
 pytestmark = [pytest.mark.process, pytest.mark.usefixtures("one_thread")]
 

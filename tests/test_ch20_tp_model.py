@@ -16,7 +16,7 @@ from conftest import random_checkpoint
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.model.loader import CheckpointError, load_config, load_model, resolve_model_dir
 from minioverlap.parallel.group import TPGroup, init_group
-from minioverlap.parallel.layers import kv_head_range, shard_range
+from minioverlap.parallel.layers import kv_head_range, shard_range, vocab_range
 from minioverlap.parallel.loader import load_tp_model
 from minioverlap.parallel.model import TPQwen3ForCausalLM, rank_config
 from minioverlap.reference.contiguous import ContiguousCache, greedy_generate
@@ -78,9 +78,10 @@ def run_ranks(world_size: int, tmp_path: Path, other: Path, main=rank_main) -> l
 @pytest.fixture(scope="module")
 def other_checkpoint(tmp_path_factory) -> Path:
     """A random checkpoint unlike tiny: an untied LM head, 8 query heads on 4 KV heads, shards listed in
-    an index, norms that are not ones."""
+    an index, norms that are not ones, and a vocabulary of 517 tokens, which neither 2 nor 4 ranks divide
+    (padded: the last rank holds fewer rows)."""
     return random_checkpoint(tmp_path_factory.mktemp("other"), seed=20, num_attention_heads=8, num_key_value_heads=4,
-                             shard_size="60KB", norm_noise=0.1)
+                             shard_size="60KB", norm_noise=0.1, vocab_size=517)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_tp_ranks_compute_the_single_device_logits(tp_size, tp_run, single_devic
     """On 2 ranks (KV heads split) and 4 (KV heads copied), every rank's full-vocabulary logits equal
     the single-device model's within 1e-4 in fp32, and greedy decoding, contiguous or paged, gives its
     tokens; the KV pool holds only the rank's KV heads. The same for a checkpoint with an untied head,
-    sharded files and 4 KV heads."""
+    sharded files, 4 KV heads and a vocabulary the ranks do not divide."""
     seen = tp_run(tp_size)
     for rank, out in enumerate(seen):
         diff = (out["logits"] - single_device["logits"]).abs().max().item()
@@ -181,15 +182,26 @@ def test_kv_heads_are_copied_when_tp_size_exceeds_them():
     assert [kv_head_range(4, r, 2) for r in range(2)] == [slice(0, 2), slice(2, 4)]
 
 
-@pytest.mark.parametrize("tp_size, names", [(3, ["num_attention_heads (4)", "vocab_size (4096)"]),
+@pytest.mark.parametrize("tp_size, names", [(3, ["num_attention_heads (4)"]),
                                             (8, ["num_attention_heads (4)"])])
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused(tp_size, names):
-    """tp_size must divide the query heads (and the MLP width, the vocabulary): a ValueError names
-    tp_size and the counts."""
+    """tp_size must divide the query heads (and the MLP width; not the vocabulary, which is padded): a
+    ValueError names tp_size and the counts, and not the vocabulary."""
     config = load_config(resolve_model_dir("tiny"))
     with pytest.raises(ValueError, match=rf"tp_size \({tp_size}\)") as error:
         rank_config(config, 0, tp_size)
     assert all(name in str(error.value) for name in names + ["num_key_value_heads 2"])
+    assert "vocab" not in str(error.value)
+
+
+@pytest.mark.parametrize("vocab_size, tp_size", [(517, 2), (517, 4), (517, 8), (4096, 4), (5, 4)])
+def test_a_padded_vocabulary_gives_each_token_to_exactly_one_rank(vocab_size, tp_size):
+    """The ranks' rows are consecutive, cover the vocabulary once, and each is at most P = ceil(V/N)
+    long (the part the head pads its logits to); only the last ranks hold fewer."""
+    rows = [vocab_range(vocab_size, r, tp_size) for r in range(tp_size)]
+    assert [t for s in rows for t in range(s.start, s.stop)] == list(range(vocab_size))
+    part = -(-vocab_size // tp_size)
+    assert all(s.stop - s.start <= part for s in rows) and rows[0].stop - rows[0].start == min(part, vocab_size)
 
 
 def test_one_rank_loads_the_single_device_model_exactly():

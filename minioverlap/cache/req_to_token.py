@@ -188,6 +188,15 @@ class ReqToTokenPool:
             self.record("req_to_token", lambda: [(row, i) for i in range(start, end)], "write",
                         f"the scheduler writes the KV slots of row {row}")
     # <<< ch15
+    # >>> ch16: repetition_penalty: the tokens each request has generated
+
+    def read_outputs(self, batch: Batch, prompt_lens: list[int]) -> torch.Tensor:
+        """token_pool's row of each request of the step, up to the longest it reads: [B, L]. The sampler
+        counts the tokens after each prompt (its own position's and those before; with MTP, the drafts)."""
+        self.record("token_pool", lambda: [(row, i) for row, p, end in zip(batch.rows, prompt_lens, batch.ends())
+                                           for i in range(p, end)], "read", "the sampler reads the tokens generated")
+        return self.token_pool[batch.req_pool_indices, :batch.max_seq_len]
+    # <<< ch16
     # >>> ch08: a prefill writes its own prompt; every access is recorded
 
     def write_prompts(self, batch: Batch) -> None:

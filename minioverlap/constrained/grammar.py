@@ -30,16 +30,11 @@ module is imported where a grammar first is.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
-
-if TYPE_CHECKING:
-    from minioverlap.engine.request import Req
-    from minioverlap.sampling_params import SamplingParams
 
 COMPACT = dict(any_whitespace=False)   # JSON on one line, as json.dumps writes it
 JSON_OBJECT = '{"type": "object"}'     # json_object: any JSON object (vLLM compiles the same schema for it)
@@ -68,16 +63,14 @@ class GrammarBackend:
                                                   vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
 
-    def grammar(self, params: SamplingParams) -> Grammar | None:
-        """A new matcher for a request's grammar (None: it has none), from the compiled grammar, cached."""
-        if params.json_schema is not None:
-            compiled = self.compiler.compile_json_schema(params.json_schema, **COMPACT)
-        elif params.regex is not None:
-            compiled = self.compiler.compile_regex(params.regex)
-        elif params.json_object:
-            compiled = self.compiler.compile_json_schema(JSON_OBJECT, **COMPACT)
+    def grammar(self, kind: str, source: str | None) -> Grammar:
+        """A new matcher for a grammar given as SamplingParams gives it: kind "json_schema" (source: the
+        schema as JSON text), "regex" (source: the regex) or "json_object" (no source). The compiler keeps
+        each grammar it compiles, by its text: the next request with the same one only makes a matcher."""
+        if kind == "regex":
+            compiled = self.compiler.compile_regex(source)
         else:
-            return None
+            compiled = self.compiler.compile_json_schema(source if kind == "json_schema" else JSON_OBJECT, **COMPACT)
         return Grammar(xgr.GrammarMatcher(compiled))
 
 
@@ -117,28 +110,24 @@ class Grammar:
         return self.matcher.is_terminated()
 
 
-def token_bitmask(reqs: list[Req], vocab_size: int) -> torch.Tensor:
-    """The step's mask on the host, [B, ceil(vocab_size / 32)] int32: each constrained request's row filled
-    by its grammar, a free request's all ones, and so is the row of a request that has finished (the
-    overlap loop launched it once more, chapter 07: its token is dropped). A grammar that allows no token
-    fails its request alone (chapter 07): its row is left all ones, so that its sample is an ordinary
-    one, which the scheduler never uses."""
-    bitmask = xgr.allocate_token_bitmask(len(reqs), vocab_size)       # all ones
-    for i, req in enumerate(reqs):
-        if req.grammar is not None and not req.finished and not req.grammar.fill(bitmask, i):
-            req.error = "its grammar allows no token of the vocabulary"
-            bitmask[i] = -1
-    return bitmask
+def token_bitmask(grammars: list[Grammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+    """The step's mask on the host, [B, ceil(vocab_size / 32)] int32, one row per grammar: filled by it,
+    or all ones for None (a free row). And the rows whose grammar allows no token: each is left all ones,
+    so that its sample is an ordinary one; the caller fails that row's request alone (chapter 07)."""
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)       # all ones
+    stuck = [i for i, grammar in enumerate(grammars) if grammar is not None and not grammar.fill(bitmask, i)]
+    bitmask[stuck] = -1
+    return bitmask, stuck
 
 
-def window_bitmask(reqs: list[Req], drafts: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """A verify step's mask on the host, [B * W, words]: each constrained request's W = k+1 rows
-    (Grammar.fill_window), all ones for the others."""
+def window_bitmask(grammars: list[Grammar | None], drafts: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """A verify step's mask on the host, [B * W, words]: each grammar's W = k+1 rows after its row's drafts
+    (Grammar.fill_window), all ones for None."""
     W = len(drafts[0]) + 1
-    bitmask = xgr.allocate_token_bitmask(len(reqs) * W, vocab_size)
-    for i, req in enumerate(reqs):
-        if req.grammar is not None and not req.finished:
-            req.grammar.fill_window(bitmask[i * W:(i + 1) * W], drafts[i])
+    bitmask = xgr.allocate_token_bitmask(len(grammars) * W, vocab_size)
+    for i, grammar in enumerate(grammars):
+        if grammar is not None:
+            grammar.fill_window(bitmask[i * W:(i + 1) * W], drafts[i])
     return bitmask
 
 

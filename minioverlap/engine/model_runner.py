@@ -37,6 +37,9 @@ from minioverlap.engine.request import Req
 # >>> ch03: per-request sampling
 from minioverlap.engine.sampler import make_generator, sample
 # <<< ch03
+# >>> ch16: repetition_penalty and min_tokens, from what the device holds
+from minioverlap.engine.sampler import penalized
+# <<< ch16
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 # >>> ch13: CUDA graphs
 from minioverlap.engine.cuda_graph import DecodeGraphs
@@ -188,7 +191,7 @@ class ModelRunner:
         # >>> ch16 replaces ch04: the logits kept: the step's logprobs come from them, with its sample
         #| tokens = sample(self.forward(batch, input_ids, ctx), batch.reqs)
         logits = self.forward(batch, input_ids, ctx)
-        tokens = sample(logits, batch.reqs)
+        tokens = sample(penalized(logits, batch, self.tables), batch.reqs)
         self.logprobs = step_logprobs(logits[:, None], tokens[:, None], batch.reqs)   # a window of one
         # <<< ch16
         # >>> ch05: the token stays on the device, where the next step reads it
@@ -257,7 +260,7 @@ class ModelRunner:
     def sample_step(self, logits: torch.Tensor, out: StepOutput) -> StepOutput:
         """What run does after the forward, for a step that put it off: sample (the masks filled now), the
         logprobs, the tokens into token_pool, their copy to the host."""
-        tokens = sample(logits, out.batch.reqs)
+        tokens = sample(penalized(logits, out.batch, self.tables), out.batch.reqs)
         self.logprobs = step_logprobs(logits[:, None], tokens[:, None], out.batch.reqs)
         self.tables.write_next_tokens(out.batch, tokens)
         done = self.output(out.step, out.batch, out.input_ids, tokens[:, None], torch.ones(len(tokens), dtype=torch.int64),

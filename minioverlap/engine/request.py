@@ -63,6 +63,7 @@ class Req:
     # >>> ch16: logprobs and stop strings
     logprobs: list[TokenLogprob] = field(default_factory=list)   # of output_ids, if params.logprobs is not None
     text: TextStream | None = None      # its output as text, searched for params.stop (None: no stop strings)
+    prompt_seen: torch.Tensor | None = None   # repetition_penalty: its prompt's tokens, a [vocab] mask on the device
     # <<< ch16
     # >>> ch19: its grammar, advanced by every token it takes (None: a free request)
     grammar: Grammar | None = None

@@ -147,8 +147,8 @@ def init_group(rank: int, world_size: int, init_method: str, device: str | torch
 
 
 def gloo_options(timeout: timedelta) -> dist.ProcessGroupGloo._Options:
-    """Gloo over the loopback interface: the ranks are processes of one host (parallel/ranks.py starts
-    them), so they need no network, nor a host name that resolves to one."""
+    """Gloo over the loopback interface: the ranks are processes of one host (minioverlap/ranks.py
+    starts them), so they need no network, nor a host name that resolves to one."""
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = timeout

@@ -13,10 +13,18 @@ So attention and the MLP each cost one all-reduce per layer: column-parallel in,
 everything between (QK-norm, RoPE, attention per head, SiLU times up) is per head or per feature, so
 it runs on the slice unchanged. The vocabulary splits by rows too:
 
-    VocabParallelEmbedding rank r holds rows [r*V/N, (r+1)*V/N); a token outside them reads zeros;
-                           the all-reduce gives every rank the full embedding.
-    ParallelLMHead         the same rows as logits: each rank scores its slice of the vocabulary, and
-                           an all-gather puts the slices side by side, so every rank holds all logits.
+    VocabParallelEmbedding rank r holds rows [r*P, (r+1)*P) of the V, P = ceil(V/N) (the last rank
+                           fewer when N does not divide V); a token outside them reads zeros; the
+                           all-reduce gives every rank the full embedding.
+    ParallelLMHead         the same rows as logits: each rank scores its slice of the vocabulary, padded
+                           to P columns, and an all-gather puts the slices side by side, cut to V: every
+                           rank holds all logits.
+
+A vocabulary that tp_size does not divide is padded, as SGLang's and vLLM's vocab-parallel embeddings
+pad theirs: a checkpoint of 151,936 tokens splits over any N, and the tiny tests' 517 over 2 or 4.
+vLLM rounds the vocabulary up to a multiple of 64 (`pad_vocab_size`), splits that, and pads the weight
+with rows of zeros; here the weight holds only its real rows, and the head pads its logits, the one
+place where the ranks' sizes must match.
 
 Each layer's `weight_slice` is the index of its shard in the full checkpoint tensor: the loader reads
 exactly that part from the file (`full[layer.weight_slice]` is the shard), never the whole tensor.
@@ -95,13 +103,21 @@ class RowParallelLinear(nn.Module):
         return self.group.all_reduce(F.linear(x, self.weight))
 
 
+def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> slice:
+    """Rank tp_rank's rows of a vocabulary padded to tp_size equal parts of P = ceil(vocab_size / tp_size):
+    [r*P, (r+1)*P), cut at vocab_size (the padding's rows exist nowhere)."""
+    part = -(-vocab_size // tp_size)
+    return slice(min(tp_rank * part, vocab_size), min((tp_rank + 1) * part, vocab_size))
+
+
 class VocabParallelEmbedding(nn.Module):
     """input_ids [T] -> embeddings [T, hidden]; this rank holds vocabulary rows `rows`."""
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup) -> None:
         super().__init__()
         self.group = group
-        self.rows = shard_range(vocab_size, group.tp_rank, group.tp_size, "vocab_size")
+        self.vocab_size, self.part = vocab_size, -(-vocab_size // group.tp_size)      # P: each rank's padded part
+        self.rows = vocab_range(vocab_size, group.tp_rank, group.tp_size)
         self.weight_slice = (self.rows, ALL)
         self.weight = nn.Parameter(torch.empty(width(self.rows), hidden_size))
 
@@ -118,7 +134,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, hidden] -> logits [N, vocab] over the full vocabulary, on every rank. It holds the same
     rows as the embedding (and, tied, the same tensor): rank r scores tokens in `rows`, and the
-    all-gather puts the ranks' slices in vocabulary order, so every rank samples from the same scores."""
+    all-gather puts the ranks' slices in vocabulary order, so every rank samples from the same scores. A
+    slice shorter than P (the last rank's, in a padded vocabulary) is padded to P first: the all-gather
+    takes equal pieces; the padding's columns are cut off after it."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = F.pad(F.linear(hidden, self.weight), (0, self.part - width(self.rows)))
+        return self.group.all_gather(logits, dim=-1)[..., :self.vocab_size]

@@ -42,12 +42,12 @@ from minioverlap.parallel.layers import (ColumnParallelLinear, ParallelLMHead, R
 
 
 def check_tp_size(config: Qwen3Config, tp_size: int) -> None:
-    """tp_size must divide the query heads, the MLP width and the vocabulary, and divide the KV heads
-    or be a multiple of them; otherwise a ValueError naming tp_size and the counts."""
+    """tp_size must divide the query heads and the MLP width, and divide the KV heads or be a multiple of
+    them; otherwise a ValueError naming tp_size and the counts. The vocabulary need not divide: it is
+    padded (layers.py)."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    counts = {"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
-              "vocab_size": config.vocab_size}
+    counts = {"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size}
     bad = [f"{name} ({value})" for name, value in counts.items() if value % tp_size]
     kv = config.num_key_value_heads
     if kv % tp_size and tp_size % kv:

@@ -39,8 +39,8 @@ class OutputProcessorMixin:
     """The result-handling methods of Scheduler."""
 
     def process(self, out: StepOutput) -> list[Reply]:
-        """Handle each request's token of the step, and reply. From chapter 19 the step launched after it
-        may be waiting for this: its sample is queued once this step's tokens are handled."""
+        """Handle each request's token of the step, and reply: handle_tokens gives each request its
+        tokens, and the step's trace records what was handled and who was answered."""
         # >>> ch06: the step is done; what waited for it can go
         self.in_flight.remove(out)
         self.trace.record_gpu(out.step, *out.gpu_events)

@@ -203,7 +203,7 @@ class Scheduler(OutputProcessorMixin):
         about to take (each request's and abort's uid), and each queued and running request's uid, its
         length in the cache and its tokens so far (how many, and the last). Ranks that sampled apart, or
         decided apart, differ here before their next batch is built; the exchange compares it
-        (parallel/ranks.py). Nothing at all: 0."""
+        (minioverlap/ranks.py). Nothing at all: 0."""
         return checksum(inbox, [*self.waiting, *self.running])
     # <<< ch20
 

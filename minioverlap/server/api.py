@@ -1,7 +1,8 @@
 # >>> ch16 file: the HTTP side
 """The HTTP side: OpenAI's routes on FastAPI, in the server's main process.
 
-A request's path: its body checked (protocol.py, pydantic models), its prompt tokenized and checked
+A request's path: its body checked (protocol.py's pydantic models, the routes' parameters: FastAPI
+validates the body against them and lists them in /openapi.json; responses.py's models are the answers), its prompt tokenized and checked
 against the context (the Processor of llm.py, without the model) in a worker thread, so that a long
 prompt stalls no other request; the request made (Processor.make_request: the one place it is checked,
 every error a 400) and sent to the scheduler process, then its tokens streamed back as server-sent
@@ -15,25 +16,30 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from minioverlap.processor import Processor, Prompt
+from minioverlap.sampling_params import SamplingParams
 from minioverlap.server.client import EngineClient, EngineGone, RequestRejected
-from minioverlap.server.guards import BodyLimit, openai_errors
+from minioverlap.server.guards import BodyLimit, JSONRoute, openai_errors
 from minioverlap.server.messages import Tokens
-from minioverlap.server.protocol import (APIError, ChatRequest, CompletionRequest, GenerateRequest, chat_request,
-                                         completion_request, invalid_value, parse, parse_json, sampling_params)
+from minioverlap.server.metrics import AccessLog, Metrics
+from minioverlap.server.protocol import (AbortRequest, APIError, ChatRequest, CompletionRequest, ErrorResponse,
+                                         GenerateRequest, chat_request, check_model, completion_request, invalid_value,
+                                         sampling_params)
 # >>> ch19: a grammar the engine could not compile, named as the request names it
 from minioverlap.server.protocol import api_field
 # <<< ch19
-from minioverlap.server.responses import Chat, Choice, Choices, Completion, Shape
+from minioverlap.server.responses import (Chat, ChatCompletionResponse, Choice, Choices, Completion,
+                                          CompletionResponse, ModelCard, ModelList, Shape)
 from minioverlap.server.text import ChatTemplate
 from minioverlap.text import TextStream
 
@@ -57,27 +63,34 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
         engine.stop()                            # after uvicorn's graceful shutdown: abort what is left
 
     app = FastAPI(title="minioverlap", lifespan=lifespan)
+    app.router.route_class = JSONRoute           # a body is parsed by pydantic's parser, whatever its Content-Type
     openai_errors(app)
+    metrics, routes = Metrics(), set()           # routes: filled below, once the app has them
     app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
+    app.add_middleware(AccessLog, metrics=metrics, routes=routes)   # outermost: it sees a 413 too
+    responses: dict[str, int] = {}               # a response's id -> its first request in the engine (for /abort)
+    errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}     # in /openapi.json
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok" if engine.alive else "the engine has stopped"},
+        return JSONResponse({"status": "ok" if engine.alive else engine.why},
                             status_code=200 if engine.alive else 503)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "minioverlap",
-                                            "max_model_len": served.processor.max_seq_len}]}
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served.name, max_model_len=served.processor.max_seq_len)])
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = completion_request(parse(await request.body(), CompletionRequest, served.name))
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=errors)
+    async def completions(body: CompletionRequest, request: Request):
+        """A completion, whole or streamed (stream: true, server-sent events of CompletionChunk)."""
+        check_model(body.model, served.name)
+        req = completion_request(body)
         return await generate(request, req, Completion(served.name, token_text, req.logprobs))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = parse(await request.body(), ChatRequest, served.name)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
+    async def chat_completions(body: ChatRequest, request: Request):
+        """A chat completion, whole or streamed (stream: true, server-sent events of ChatCompletionChunk)."""
+        check_model(body.model, served.name)
         if served.chat.template is None:
             raise APIError(f"the model {served.name!r} has no chat template (its tokenizer_config.json has no "
                            "chat_template): use /v1/completions", param="messages", code="no_chat_template")
@@ -89,19 +102,16 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
             raise APIError(str(err), param="messages", code="invalid_value") from None
         return await generate(request, req, Chat(served.name, token_text, req.logprobs))
 
-    @app.post("/abort")
-    async def abort(request: Request) -> dict:
-        """{"id": "cmpl-7"} (a response's id) or {"all": true}: the requests end with finish_reason "abort"."""
-        body = parse_json(await request.body())
-        if body.get("all") is True and set(body) == {"all"}:
+    @app.post("/abort", responses=errors)
+    async def abort(body: AbortRequest) -> dict:
+        """{"id": "cmpl-..."} (a response's id) or {"all": true}: the requests end with finish_reason "abort"."""
+        if body.all:
             return {"aborted": engine.abort_all()}
-        rid = request_number(body.get("id")) if set(body) == {"id"} else None
-        if rid is None:
-            raise APIError('the body must be {"id": "<a response id>"} or {"all": true}', param="id",
-                           code="invalid_value")
-        known = rid in engine.streams
+        rid = responses.get(body.id)
+        if rid is None or rid not in engine.streams:          # unknown, or finished already
+            return {"aborted": 0}
         engine.abort_group(rid)
-        return {"aborted": int(known)}
+        return {"aborted": 1}
 
     @app.get("/integrity")
     async def integrity() -> dict:
@@ -111,8 +121,28 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
         except EngineGone as err:
             raise APIError(str(err), status=503, type="server_error") from None
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        """The counters, histograms and gauges of metrics.py, in Prometheus' text format."""
+        try:
+            metrics.scheduler(await engine.integrity())
+        except EngineGone:                       # the engine has stopped: its gauges stay as they were
+            pass
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def text_stream(params: SamplingParams) -> TextStream:
+        """A choice's text as its tokens come: cut at its stop strings (none before min_tokens), special
+        tokens kept if it asks (skip_special_tokens=False)."""
+        return TextStream(served.processor.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
+
     def token_text(token_id: int) -> str:
         return served.processor.decode([token_id])
+
+    def remember(response_id: str, rid: int) -> None:
+        """Map a response's id to its engine request, for /abort; forget the requests that have ended."""
+        for done in [key for key, r in responses.items() if r not in engine.streams]:
+            del responses[done]
+        responses[response_id] = rid
 
     async def generate(request: Request, req: GenerateRequest, shape: Shape):
         param = "messages" if isinstance(shape, Chat) else "prompt"
@@ -128,17 +158,17 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
             rids, queue = await engine.add(reqs)
         # >>> ch19 replaces ch16: or a grammar the engine could not compile
         #| except RequestRejected as err:
-        #|     raise APIError(str(err), param="max_tokens", code="too_large_for_the_pool") from None
+        #|     raise APIError(str(err), param=req.limit_field, code="too_large_for_the_pool") from None
         except RequestRejected as err:
-            raise rejected(err) from None
+            raise rejected(err, req.limit_field) from None
         # <<< ch19
         except ValueError as err:                # stop_token_ids outside the vocabulary
             raise invalid_value(err) from None
         except EngineGone as err:
             raise APIError(str(err), status=503, type="server_error") from None
-        shape.rid, shape.prompt_tokens = rids[0], len(ids)
-        choices = Choices([Choice(i, rid, TextStream(served.processor.tokenizer, req.stop))
-                           for i, rid in enumerate(rids)])
+        shape.prompt_tokens, meter = len(ids), metrics.meter(len(ids))
+        remember(shape.id, rids[0])
+        choices = Choices([Choice(i, rid, text_stream(r.params), meter=meter) for i, (rid, r) in enumerate(zip(rids, reqs))])
         if not req.stream:
             return await gather(engine, request, queue, choices, shape)
         try:
@@ -148,6 +178,7 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
                 engine.abort(rid)
             raise
 
+    routes.update(route.path for route in app.routes)
     return app
 
 
@@ -164,20 +195,13 @@ def encode(processor: Processor, prompt: Prompt, param: str) -> list[int]:
 # >>> ch19: a grammar the engine could not compile
 
 
-def rejected(err: RequestRejected) -> APIError:
-    """The engine's refusal: a request too large for the page pool, or a grammar it could not compile."""
+def rejected(err: RequestRejected, limit_field: str) -> APIError:
+    """The engine's refusal: a request too large for the page pool (named by the field of its limit), or
+    a grammar it could not compile."""
     if err.field is None:
-        return APIError(str(err), param="max_tokens", code="too_large_for_the_pool")
+        return APIError(str(err), param=limit_field, code="too_large_for_the_pool")
     return APIError(str(err), param=api_field(err.field), code="invalid_value")
 # <<< ch19
-
-
-def request_number(response_id: object) -> int | None:
-    """The engine's id in a response id: 'cmpl-7' or 'chatcmpl-7' -> 7."""
-    if not isinstance(response_id, str) or "-" not in response_id:
-        return None
-    number = response_id.rsplit("-", 1)[1]
-    return int(number) if number.isdigit() else None
 
 
 async def sse(events: AsyncIterator[str], grace: float) -> EventSourceResponse:
@@ -208,12 +232,8 @@ async def stream(engine: EngineClient, queue: asyncio.Queue, choices: Choices, s
                 break
             if (choice := choices.of(msg)) is not None:
                 yield event(shape.chunk(choice, choice.take(msg)))
-        # >>> ch17 replaces ch16: the choices' usage, with the prompt tokens served from the prefix cache
-        #| if include_usage and choices.finished:
-        #|     yield event(shape.usage_chunk(choices.tokens))
         if include_usage and choices.finished:
             yield event(shape.usage_chunk(choices))
-        # <<< ch17
         yield "[DONE]"
     finally:
         for rid in choices.running():
@@ -225,13 +245,13 @@ def failed(msg: Tokens | EngineGone) -> bool:
     return isinstance(msg, EngineGone) or msg.finish_reason == "error"
 
 
-def error_body(msg: Tokens | EngineGone) -> dict:
+def error_body(msg: Tokens | EngineGone) -> ErrorResponse:
     return APIError(str(msg) if isinstance(msg, EngineGone) else msg.error or "the request failed",
-                    status=503 if isinstance(msg, EngineGone) else 500, type="server_error").body()
+                    status=503 if isinstance(msg, EngineGone) else 500, type="server_error").response()
 
 
 async def gather(engine: EngineClient, request: Request, queue: asyncio.Queue, choices: Choices,
-                 shape: Shape) -> JSONResponse:
+                 shape: Shape) -> BaseModel | JSONResponse:
     """Wait for every token of every choice, watching the connection: a client that leaves aborts them."""
     tokens = asyncio.ensure_future(all_tokens(engine, queue, choices))
     left = asyncio.ensure_future(disconnected(request))
@@ -244,12 +264,9 @@ async def gather(engine: EngineClient, request: Request, queue: asyncio.Queue, c
         return JSONResponse({}, status_code=499)         # nobody reads it: the client has gone
     failure, texts = tokens.result()
     if failure is not None:
-        body = error_body(failure)
+        body = error_body(failure).model_dump()
         return JSONResponse(body, status_code=503 if isinstance(failure, EngineGone) else 500)
-    # >>> ch17 replaces ch16: the choices' usage, with the prompt tokens served from the prefix cache
-    #| return JSONResponse(shape.full([(c, "".join(t), lps) for c, (t, lps) in zip(choices.all, texts)], choices.tokens))
-    return JSONResponse(shape.full([(c, "".join(t), lps) for c, (t, lps) in zip(choices.all, texts)], choices))
-    # <<< ch17
+    return shape.full([(c, "".join(t), lps) for c, (t, lps) in zip(choices.all, texts)], choices)
 
 
 async def all_tokens(engine: EngineClient, queue: asyncio.Queue,
@@ -272,6 +289,6 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def event(body: dict) -> str:
+def event(body: BaseModel) -> str:
     """A chunk's JSON: sse-starlette writes it as `data: <json>` and the blank line after."""
-    return json.dumps(body)
+    return body.model_dump_json()

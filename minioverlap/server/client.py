@@ -31,6 +31,7 @@ class EngineClient:
         self.reports: list[asyncio.Future] = []          # Integrity asks, answered in order
         self.loop: asyncio.AbstractEventLoop | None = None
         self.alive = False
+        self.why = "the engine has stopped"              # what a request gets once the engine is gone
 
     def wait_ready(self) -> Ready:
         """Block until the engine is built: Ready, or its Failed error as a RuntimeError."""
@@ -65,7 +66,9 @@ class EngineClient:
             pass
 
     def route(self, msg: object) -> None:
-        if isinstance(msg, Report):
+        if isinstance(msg, Failed):                      # the engine failed while serving (a rank died)
+            self.gone(f"the engine has stopped: {msg.error}")
+        elif isinstance(msg, Report):
             if self.reports:
                 self.reports.pop(0).set_result(msg)
         elif isinstance(msg, (Accepted, Rejected)):
@@ -80,13 +83,14 @@ class EngineClient:
         self.streams.pop(rid, None)
         self.groups.pop(rid, None)
 
-    def gone(self) -> None:
-        """Every request still waiting ends with an error; every later one is refused."""
-        self.alive = False
-        self.end_all("the engine has stopped")
+    def gone(self, why: str | None = None) -> None:
+        """Every request still waiting ends with an error; every later one is refused. why: what failed, if
+        the engine said (a Failed message); kept for the health check."""
+        self.alive, self.why = False, why or self.why       # a Failed's why outlives the pipe's end after it
+        self.end_all(self.why)
         for future in self.reports + list(self.answers.values()):
             if not future.done():
-                future.set_exception(EngineGone("the engine has stopped"))
+                future.set_exception(EngineGone(self.why))
         self.reports.clear()
         self.answers.clear()
 
@@ -99,12 +103,12 @@ class EngineClient:
 
     def send(self, msg: object) -> None:
         if not self.alive:
-            raise EngineGone("the engine has stopped")
+            raise EngineGone(self.why)
         try:
             self.to_engine.send(msg)
         except (BrokenPipeError, OSError):
             self.gone()
-            raise EngineGone("the engine has stopped") from None
+            raise EngineGone(self.why) from None
 
     async def add(self, reqs: list[Req]) -> tuple[list[int], asyncio.Queue]:
         """Send checked requests (an HTTP request's n choices); their ids and their one queue of Tokens once

@@ -17,6 +17,9 @@ from multiprocessing.connection import Connection
 
 from minioverlap.engine.request import Req
 from minioverlap.llm import LLM
+# >>> ch20: a rank's failure
+from minioverlap.ranks import RankFailed
+# <<< ch20
 from minioverlap.scheduler.scheduler import IntegrityError, Reply
 from minioverlap.server.messages import (Abort, Accepted, Add, Failed, Integrity, Ready, Rejected, Report, Stop,
                                          Tokens)
@@ -33,9 +36,13 @@ def run_engine(options: dict, inbox: Connection, outbox: Connection, first_token
         outbox.send(Failed(str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
         return
     outbox.send(Ready(llm.max_seq_len))
-    EngineLoop(llm, inbox, outbox, first_tokens_first).serve()
-    # >>> ch20: the other ranks, if any, stop with it
-    llm.shutdown()
+    # >>> ch20 replaces ch16: a rank that fails or dies ends the engine, and the HTTP side is told why
+    #| EngineLoop(llm, inbox, outbox, first_tokens_first).serve()
+    try:
+        EngineLoop(llm, inbox, outbox, first_tokens_first).serve()
+    except RankFailed as err:
+        outbox.send(Failed(str(err)))
+    llm.shutdown()                           # the other ranks stop with it
     # <<< ch20
 
 
@@ -81,6 +88,12 @@ class EngineLoop:
         return not self.stopping
 
     def next_message(self) -> object:
+        """The HTTP side's next message, waiting for it. From chapter 20 a rank that dies meanwhile ends the
+        wait at once: RankFailed."""
+        # >>> ch20: an idle server notices a rank's death at once
+        if self.llm.ranks is not None:
+            self.llm.ranks.wait(self.inbox)
+        # <<< ch20
         try:
             return self.inbox.recv()
         except (EOFError, OSError):              # the HTTP side is gone
@@ -132,7 +145,7 @@ class EngineLoop:
             problems = str(err)
         return Report(not (sched.busy or sched.in_flight or sched.deferred), problems, runner.free_pages,
                       runner.usable_pages, runner.free_rows, self.llm.max_running, dict(self.finishes),
-                      self.llm.backend.kernels)
+                      self.llm.backend.kernels, len(sched.running), len(sched.waiting) + len(sched.inbox))
 
 
 # >>> ch17 replaces ch16: with the prompt tokens its request found in the prefix cache

@@ -1,10 +1,14 @@
 # >>> ch16 file: every error in OpenAI's body, and a limit on the body's size
-"""Two guards around the routes.
+"""Three guards around the routes.
 
 Every error a client can meet comes in OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
 the server's own (APIError), Starlette's (404 for an unknown path, 405 for a wrong method), FastAPI's
-(422, a request its routes' own validation refuses) and any other exception (500, named, its traceback in
-the server's log). FastAPI's default bodies, `{"detail": ...}`, are not what OpenAI's clients read.
+(RequestValidationError: a body its models refuse, which FastAPI would answer with 422 and
+`{"detail": [...]}`; here a 400 naming the field, as OpenAI, vLLM and SGLang answer it, and as OpenAI's
+clients read it: BadRequestError) and any other exception (500, named, its traceback in the server's log).
+
+A body is JSON whatever its Content-Type says (`curl -d` sends a form's), parsed by pydantic's parser
+before FastAPI validates it (JSONRoute): a lone surrogate or nesting past 200 is a 400, not a crash later.
 
 A body larger than `max_bytes` is refused with 413 and never kept, parsed or tokenized: at once when its
 Content-Length says so, else as soon as the bytes counted while it streams in pass the limit (chunked
@@ -18,13 +22,17 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI, Request
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minioverlap.server.protocol import APIError
+from minioverlap.server.protocol import APIError, api_error, parse_json
 
 log = logging.getLogger("minioverlap.server")
 CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
@@ -34,7 +42,7 @@ def openai_errors(app: FastAPI) -> None:
     """Exception handlers that answer every error in OpenAI's body."""
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError) -> JSONResponse:
+    async def own_error(request: Request, err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -45,16 +53,42 @@ def openai_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"][1:]) or None
-        return JSONResponse(APIError(f"{param}: {first['msg']}", param=param, status=422, code="invalid_value").body(),
-                            status_code=422)
+        error = api_error(err.errors())                  # a 400 naming the first field that is wrong
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(Exception)            # Starlette calls this one last, from ServerErrorMiddleware
     async def server_error(request: Request, err: Exception) -> JSONResponse:
         log.exception("a request failed: %s %s", request.method, request.url.path)
         return JSONResponse(APIError(f"the server failed: {type(err).__name__}: {err}", status=500,
                                      type="server_error", code="internal_error").body(), status_code=500)
+
+
+class JSONBody(Request):
+    """A request whose body has been read and parsed already (JSONRoute): FastAPI's json() gets it."""
+    parsed: dict
+
+    async def json(self) -> dict:
+        return self.parsed
+
+
+class JSONRoute(APIRoute):
+    """A route whose body is read and parsed before FastAPI's own reading, so that its errors are ours:
+    FastAPI turns any exception while it reads a body into a bare 400 ("There was an error parsing the
+    body"), which would swallow the 413 of BodyLimit and the parser's message. The body is JSON whatever
+    its Content-Type says: FastAPI, seeing application/json, validates the parsed object."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:                      # GET routes: no body
+            return handler
+
+        async def parsed_first(request: Request) -> Response:
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            body = JSONBody(dict(request.scope, headers=[*headers, (b"content-type", b"application/json")]),
+                            request.receive)
+            body.parsed = parse_json(await body.body())   # APIError (invalid JSON) or BodyTooLarge: answered as such
+            return await handler(body)
+        return parsed_first
 
 
 class BodyTooLarge(APIError):

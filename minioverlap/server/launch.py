@@ -4,13 +4,16 @@ loads); then the scheduler process is started and built (the model loaded, graph
 says Ready does the HTTP side listen on the bound socket, and say so. uvicorn turns SIGINT and SIGTERM
 into a graceful shutdown: the port closes, the streams in flight get `grace` seconds to finish, then the
 scheduler process is told to stop (it aborts what is left) and is waited for. Nothing is left behind.
+Each request answered is a line on stderr (metrics.py's access log): client, method, path, status, duration.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,6 +46,7 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, grace: float
         served = Served(str(model), processor, ChatTemplate(model_dir), limit, grace)
         config = uvicorn.Config(create_app(engine, served), log_level=log_level, timeout_graceful_shutdown=grace + 5)
         print(f"minioverlap: serving {served.name} on http://{host}:{sock.getsockname()[1]}", flush=True)
+        access_log()
         with signals_end_the_server():
             GracefulServer(config, engine, grace).run(sockets=[sock])
     finally:
@@ -52,6 +56,16 @@ def serve(options: dict, host: str = "127.0.0.1", port: int = 8000, grace: float
         if process.is_alive():
             process.kill()
             process.join()
+
+
+def access_log() -> None:
+    """The access log (the logger of metrics.py) on stderr, a line per request, with the time."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s minioverlap: %(message)s"))
+    log = logging.getLogger("minioverlap.access")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -86,3 +86,5 @@ class Report:
     max_running: int
     finishes: dict[str, int]          # requests ended since the start, by finish_reason ("stop", "abort", ...)
     kernels: bool                     # the engine's step takes chapter 15's fast path
+    running: int = 0                  # requests running (/metrics' gauges)
+    queued: int = 0                   # requests waiting for a slot, or in the inbox

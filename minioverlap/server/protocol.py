@@ -3,15 +3,19 @@
 for one that is wrong: `{"error": {"message", "type", "param", "code"}}`, status 400 (404 for a model the
 server does not serve).
 
-pydantic does the checking: every field's type (strict: "5" is not an integer, true is not a number),
-its range, an unknown field (extra="forbid"). What it reports (a list of errors, each with the field's
-path, the value and the broken rule) becomes one OpenAI error naming the field (`api_error`). The JSON
-itself is parsed by pydantic's Rust parser, which refuses what Python's json module lets through to
-crash later: a lone surrogate ("\\ud800", text no tokenizer can encode) and nesting deeper than 200.
+The routes take these models as their parameters, so FastAPI validates each body against its model and
+lists every field in /openapi.json. pydantic does the checking: every field's type (strict: "5" is not an
+integer, true is not a number), its range, an unknown field (extra="forbid", OpenAI's "Unrecognized
+request argument supplied"). What it reports (a list of errors, each with the field's path, the value and
+the broken rule; FastAPI raises them as RequestValidationError, which would be a 422) becomes one OpenAI
+error naming the field, status 400, as OpenAI, vLLM and SGLang answer (`api_error`). The JSON itself is
+parsed by pydantic's Rust parser (guards.JSONRoute), which refuses what Python's json module lets through
+to crash later: a lone surrogate ("\\ud800", text no tokenizer can encode) and nesting deeper than 200.
 
 A field the engine does not implement is refused, not ignored: penalties, logit_bias, tools, echo, suffix
 and best_of > 1 would otherwise be silently dropped. The fields beyond OpenAI's (`top_k`, `ignore_eos`,
-`stop_token_ids`) are vLLM's and SGLang's names.
+`stop_token_ids`, `min_p`, `repetition_penalty`, `min_tokens`, `skip_special_tokens`) are vLLM's and
+SGLang's names, which their clients send.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError, from_json
 
 from minioverlap.processor import Prompt
@@ -31,14 +36,29 @@ MAX_N = 16                   # choices per request (each is a request to the eng
 MAX_STOP = 4                 # stop strings per request: OpenAI's limit
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str                          # invalid_request_error (a 4xx), server_error (a 5xx)
+    param: str | None                  # the field that is wrong, dotted: messages[0].role
+    code: str | None                   # what is wrong with it: invalid_value, missing_required_parameter...
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, the same for every error the server answers."""
+    error: ErrorInfo
+
+
 class APIError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  type: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return self.response().model_dump()
 
 
 # ---- custom rules: each raises PydanticCustomError(code, rule); api_error writes "<field> must be <rule>, got <value>"
@@ -62,7 +82,9 @@ def stop_rule(value: object) -> tuple[str, ...]:
         raise rule("invalid_type", f"a string or a list of up to {MAX_STOP} strings")
     if len(stops) > MAX_STOP:
         raise rule("invalid_value", f"at most {MAX_STOP} strings")
-    return tuple(s for s in stops if s)                      # "" stops nothing: OpenAI's clients send it for none
+    if "" in stops:                                          # it would match before the first token (vLLM refuses it too)
+        raise rule("invalid_value", "non-empty strings (an empty one would end the text before it starts)")
+    return tuple(stops)
 
 
 def content_rule(value: object) -> str:
@@ -141,6 +163,10 @@ class Sampling(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     stop: Annotated[tuple[str, ...], BeforeValidator(stop_rule)] = ()
+    min_p: float = Field(0.0, allow_inf_nan=False)           # vLLM's and SGLang's: SamplingParams checks the ranges
+    repetition_penalty: float = Field(1.0, allow_inf_nan=False)
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -238,19 +264,27 @@ class GenerateRequest:
     n: int = 1                         # choices: n requests to the engine
     stop: tuple[str, ...] = ()         # stop strings: the text ends before the first
     logprobs: int | None = None        # None: none; 0: the chosen token's; k: and the k most likely
+    limit_field: str = "max_tokens"    # the field that gave max_tokens (chat: max_completion_tokens, if sent)
+
+
+class AbortRequest(Strict):
+    """/abort's body: {"id": "<a response id>"} or {"all": true}."""
+    id: str | None = None
+    all: bool = False
+
+    @model_validator(mode="after")
+    def one_of_the_two(self) -> AbortRequest:
+        if (self.id is None) == (self.all is False):
+            raise rule("invalid_value", 'id or all: the body is {"id": "<a response id>"} or {"all": true}')
+        return self
 
 
 # ---- the body to a request
-def parse(raw: bytes, model: type[Strict], served: str) -> Strict:
-    """The body checked against `model`; APIError naming the first field that is wrong."""
-    body = parse_json(raw)
-    if body.get("model") is not None and body["model"] != served:
-        raise APIError(f"the model {json.dumps(body['model'])} does not exist; this server serves {served!r}",
+def check_model(model: str, served: str) -> None:
+    """A model the server does not serve is a 404, as OpenAI answers it."""
+    if model != served:
+        raise APIError(f"the model {json.dumps(model)} does not exist; this server serves {served!r}",
                        param="model", status=404, code="model_not_found")
-    try:
-        return model.model_validate(body)
-    except ValidationError as err:
-        raise api_error(err) from None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -269,14 +303,21 @@ def completion_request(req: CompletionRequest) -> GenerateRequest:
 
 
 def chat_request(req: ChatRequest) -> GenerateRequest:
-    """The prompt is filled in once the chat template has rendered the messages."""
-    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return generate_request(req, "", limit, (req.top_logprobs or 0) if req.logprobs else None)
+    """The prompt is filled in once the chat template has rendered the messages. An error about the
+    limit names the field that gave it."""
+    out = generate_request(req, "", req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    if req.max_completion_tokens is not None:
+        out.max_tokens, out.limit_field = req.max_completion_tokens, "max_completion_tokens"
+    return out
+
+
+EXTRA_SAMPLING = {"min_p", "repetition_penalty", "min_tokens", "skip_special_tokens"}   # SamplingParams' names too
 
 
 def generate_request(req: Sampling, prompt: Prompt, max_tokens: int | None, logprobs: int | None) -> GenerateRequest:
     params = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
               "ignore_eos": req.ignore_eos, "stop_token_ids": tuple(req.stop_token_ids)}
+    params |= req.model_dump(include=EXTRA_SAMPLING, exclude_unset=True)     # left out: SamplingParams' default
     # >>> ch19: the request's grammar
     params |= grammar_params(req)
     # <<< ch19
@@ -294,12 +335,28 @@ def grammar_params(req: Sampling) -> dict:
             "json_object": isinstance(fmt, JSONObjectFormat), "regex": req.regex}
 
 
-# SamplingParams' grammar fields -> the request's field that gave them (an error names the request's)
-API_FIELDS = {"json_schema": "response_format", "json_object": "response_format", "regex": "regex"}
+# SamplingParams' grammar fields -> the request's field that gave them (an error names the request's path)
+API_FIELDS = {"json_schema": "response_format.json_schema.schema", "json_object": "response_format", "regex": "regex"}
+API_RULES = {"json_schema": "a JSON schema", "regex": "a regular expression"}
 
 
 def api_field(name: str) -> str:
     return API_FIELDS.get(name, name)
+
+
+def grammar_error(err: ValueError, params: dict) -> APIError | None:
+    """SamplingParams' refusal of a grammar xgrammar cannot compile, in the request's words: its path
+    (response_format.json_schema.schema, regex) and its value as JSON; None for any other error."""
+    name = str(err).split()[0]
+    value = params.get(name)
+    if name not in API_RULES or not value:
+        return None
+    from minioverlap.constrained.grammar import compile_error     # xgrammar: only a request with a grammar
+    reason = compile_error(json.dumps(value) if name == "json_schema" else None, value if name == "regex" else None)
+    if reason is None:
+        return None
+    return APIError(f"{api_field(name)} must be {API_RULES[name]} that xgrammar compiles, got {show(value)}: {reason}",
+                    param=api_field(name), code="invalid_value")
 # <<< ch19
 
 
@@ -308,16 +365,18 @@ KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "string"
          "tuple": "an array", "dict": "an object", "model": "an object", "literal": "one of"}
 
 
-def api_error(err: ValidationError) -> APIError:
-    """The first error (an unknown field first): its field as `param`, the value and the rule in the message."""
-    errors = sorted(err.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
-    e = errors[0]
-    # >>> ch19 replaces ch16: without a discriminated union's tag in the path
-    #| param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".") or None
-    loc = [p for i, p in enumerate(e["loc"]) if i == 0 or e["loc"][i - 1] not in TAGGED]
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+def api_error(errors: Sequence[dict]) -> APIError:
+    """The first of pydantic's errors (an unknown field first), as FastAPI's RequestValidationError lists
+    them (each path starts with "body"): its field as `param`, the value and the rule in the message."""
+    e = sorted(errors, key=lambda e: e["type"] != "extra_forbidden")[0]
+    loc = list(e["loc"])[1:] if tuple(e["loc"][:1]) == ("body",) else list(e["loc"])
+    # >>> ch19: without a discriminated union's tag in the path
+    loc = [p for i, p in enumerate(loc) if i == 0 or loc[i - 1] not in TAGGED]
     # <<< ch19
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     kind, ctx, value = e["type"], e.get("ctx", {}), e.get("input")
+    if param is None and kind == "model_type":                # the body is JSON, but not an object
+        return APIError(f"the request body must be a JSON object, got {show(value)[:40]}", code="invalid_type")
     if kind == "missing":
         return APIError(f"{param} is required", param=param, code="missing_required_parameter")
     if kind == "extra_forbidden":
@@ -372,17 +431,21 @@ def sampling_params(req: GenerateRequest, prompt_len: int, max_seq_len: int) -> 
     engine would stop there with "length"; a server says so before it starts). With a seed, choice i
     draws with seed + i, as vLLM seeds the n copies of a request: n choices, not n equal ones.
     SamplingParams' own errors name their field: a 400 on it (invalid_value)."""
-    room = max_seq_len - prompt_len
+    room, limit = max_seq_len - prompt_len, req.limit_field
     if req.max_tokens is not None and req.max_tokens > room:
-        raise APIError(f"max_tokens is {req.max_tokens}, but the context holds {max_seq_len} tokens and the prompt "
-                       f"has {prompt_len}: at most {room}", param="max_tokens", code="context_length_exceeded")
+        raise APIError(f"{limit} is {req.max_tokens}, but the context holds {max_seq_len} tokens and the prompt "
+                       f"has {prompt_len}: at most {room}", param=limit, code="context_length_exceeded")
     fields = dict(req.params, max_tokens=room if req.max_tokens is None else req.max_tokens)
     seed = fields.pop("seed")
     try:
         return [engine_params(fields | {"seed": None if seed is None else seed + i}, req.stop, req.logprobs)
                 for i in range(req.n)]
     except ValueError as err:
-        raise invalid_value(err) from None
+        error = invalid_value(err)
+        # >>> ch19: a grammar xgrammar cannot compile, in the request's words
+        error = grammar_error(err, req.params) or error
+        # <<< ch19
+        raise error from None
 
 
 def engine_params(fields: dict, stop: tuple[str, ...], logprobs: int | None) -> SamplingParams:

@@ -28,6 +28,9 @@ import torch
 
 from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import adjusted_probs, fail_alone
+# >>> ch19: the grammars of a window's requests
+from minioverlap.engine.sampler import live_grammars
+# <<< ch19
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,5 +83,5 @@ def mask_window(logits: torch.Tensor, drafts: list[list[int]], reqs: list[Req]) 
     if not any(req.grammar is not None for req in reqs):
         return logits
     from minioverlap.constrained.grammar import masked, window_bitmask   # xgrammar: see that module
-    return masked(logits, window_bitmask(reqs, drafts, logits.shape[-1]))
+    return masked(logits, window_bitmask(live_grammars(reqs), drafts, logits.shape[-1]))
 # <<< ch19

@@ -26,6 +26,7 @@ from minioverlap.device.transfer import to_device
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 from minioverlap.engine.logprobs import step_logprobs
 from minioverlap.engine.model_runner import ModelRunner
+from minioverlap.engine.sampler import penalized
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
@@ -117,7 +118,7 @@ class NgramRunner(ModelRunner):
         hidden = self.model(input_ids, batch.positions, ctx)
         self.record_kv_accesses(batch)
         logits = self.model.compute_logits(hidden).view(B, W, -1)    # every row: row j judges draft j+1
-        tokens, accept_lens = accept(mask_window(logits, proposed, batch.reqs), drafts, batch.reqs)
+        tokens, accept_lens = accept(mask_window(penalized(logits, batch, self.tables), proposed, batch.reqs), drafts, batch.reqs)
         self.logprobs = step_logprobs(logits, tokens, batch.reqs)
         self.tables.write_window(batch, tokens)              # the accepted tokens, and the next bonus at L + accept_len
         return tokens, accept_lens, input_ids, read_done

@@ -52,6 +52,7 @@ from minioverlap.speculative.graphs import SpecGraphs
 # <<< ch13
 # >>> ch16: logprobs, computed with the sample
 from minioverlap.engine.logprobs import step_logprobs
+from minioverlap.engine.sampler import penalized
 # <<< ch16
 # >>> ch18: a chunk's next prompt token
 from minioverlap.device.transfer import to_device
@@ -120,7 +121,7 @@ class SpecRunner(ModelRunner):
         # >>> ch16 replaces ch09: the logits kept, for the logprobs
         #| bonus = sample(self.model.compute_logits(spec.hidden[batch.last_index]), batch.reqs)
         logits = self.model.compute_logits(spec.hidden[batch.last_index])
-        bonus = sample(logits, batch.reqs)
+        bonus = sample(penalized(logits, batch, self.tables), batch.reqs)
         # the bonus token's logprobs: from these logits, in this step, on their way to the host before the
         # tokens' copy (run hands them to the step)
         self.logprobs = step_logprobs(logits[:, None], bonus[:, None], batch.reqs)
@@ -169,10 +170,7 @@ class SpecRunner(ModelRunner):
         fence's event."""
         batch, B, W = spec.batch, len(spec.batch.reqs), spec.batch.extend_lens[0]
         logits = self.model.compute_logits(spec.hidden).view(B, W, -1)
-        # >>> ch19 replaces ch09: a constrained request's drafts judged by its masked rows (a copy: the logprobs stay the model's)
-        #| tokens, accept_lens = accept(logits, spec.drafts, batch.reqs)
-        tokens, accept_lens = accept(self.masked_window(logits, spec), spec.drafts, batch.reqs)
-        # <<< ch19
+        tokens, accept_lens = accept(self.judged(logits, spec), spec.drafts, batch.reqs)
         # >>> ch16: each window token's logprobs, from its own row
         self.logprobs = step_logprobs(logits, tokens, batch.reqs)
         # <<< ch16
@@ -182,6 +180,18 @@ class SpecRunner(ModelRunner):
         # <<< ch10
         last = torch.arange(B, device=tokens.device) * W + accept_lens - 1     # each request's last accepted row
         return tokens, accept_lens, spec.input_ids, self.draft_extend(spec, tokens.flatten(), last)
+
+    def judged(self, logits: torch.Tensor, spec: SpecStep) -> torch.Tensor:
+        """The logits [B, W, vocab] the accept rule judges a verify's drafts by: the target's; from chapter 16
+        each request's repetition_penalty and min_tokens applied, from chapter 19 a constrained request's
+        rows masked by its grammar after the drafts before them. Copies: the logprobs stay the model's."""
+        # >>> ch16: repetition_penalty and min_tokens, each row by the tokens before it (the drafts included)
+        logits = penalized(logits, spec.batch, self.tables)
+        # <<< ch16
+        # >>> ch19: a constrained request's drafts judged by its masked rows
+        logits = self.masked_window(logits, spec)
+        # <<< ch19
+        return logits
 
     def passes(self, batch: ForwardBatch) -> SpecRunner | SpecGraphs:
         """What runs a verify's three passes (draft, target, draft extend): the runner itself, eagerly; from

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import steps
+from book import running  # tools/book/running.py: run_pytest reads its TEST_TIMEOUT
 
 STEPS = Path(steps.__file__)
 MARKER_LINE = re.compile(r"^\s*#\s*(>>>|<<<)|^\s*#\|")
@@ -270,7 +271,7 @@ def test_bugs_lists_each_planted_bug_as_a_diff(book: Path) -> None:
 
 def test_a_hanging_stage_test_fails_with_its_name(book: Path, tmp_path: Path, monkeypatch) -> None:
     """run_pytest gives every test pytest-timeout's limit, so a test that hangs fails, named."""
-    monkeypatch.setattr(steps, "TEST_TIMEOUT", 1)
+    monkeypatch.setattr(running, "TEST_TIMEOUT", 1)
     stage = steps.build_stage(book, 1, tmp_path / "ch01")
     (stage / "tests" / "test_hang.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(60)\n")
     result = steps.run_pytest(stage, ["tests/test_hang.py"], timeout=50)

@@ -2,7 +2,7 @@
 """The ranks of a tensor-parallel engine: one process per device, each with its own scheduler.
 
 `LLM(tp_size=N)` is rank 0. It starts ranks 1..N-1, each a process of its own (pinned to its device on a
-GPU) that builds the same engine over its shard of the weights and runs `follow`: the scheduler's loop,
+GPU) that builds the same engine (builder.py's Engine) over its shard of the weights and runs `follow`: the scheduler's loop,
 run after run, for ever. Every rank schedules for itself, as SGLang's and mini-sglang's schedulers do;
 they agree because they start equal and, before every iteration, each takes rank 0's inbox (what rank 0's
 callers sent: requests and aborts), over the CPU group (Scheduler.shared_busy). The same inbox, the same
@@ -40,6 +40,8 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.multiprocessing as mp
 
+from minioverlap.builder import Engine, engine_args
+from minioverlap.config import EngineArgs
 from minioverlap.engine.request import Req
 from minioverlap.model.loader import load_config, resolve_model_dir
 from minioverlap.parallel.dp_attention import check_dp_size
@@ -183,23 +185,22 @@ def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict,
     """A rank's main: join the group, build the engine over this rank's shard, say ready, then run the
     scheduler's loop run after run (each starts when rank 0's does: the first shared inbox) until the stop.
     Between runs it waits for rank 0's next inbox without a deadline (`idle`)."""
-    from minioverlap.llm import LLM     # the engine's face builds the ranks: imported here, in the rank's process
     try:
         torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
         group = init_group(rank, tp_size, init_method, device, timeout_s)
-        llm = LLM(model, _group=group, **(options | {"device": device}))
+        engine = RankEngine(engine_args(model, options | {"device": device}), group)
         pipe.send(("ready", ""))
-        scheduler, last = llm.scheduler, [llm.scheduler.trace]
+        scheduler, last = engine.scheduler, [engine.scheduler.trace]
 
         def share(items: list) -> list:                  # rank 0's inbox, once the ranks have compared
-            inbox = received(group.broadcast_object(None, idle=True), llm.processor)
+            inbox = received(group.broadcast_object(None, idle=True), engine.processor)
             if apart := parted(group, scheduler.fingerprint(inbox), inbox):
                 raise RankFailed(apart)
             return inbox
         scheduler.share = share
         scheduler.following, scheduler.send_trace = True, lambda: pipe.send(("trace", last[0]))
         while not scheduler.stopped:
-            for _ in scheduler.run(llm.args.overlap):
+            for _ in scheduler.run(engine.args.overlap):
                 pass
             if len(scheduler.trace):                  # a run that ran steps (not a request for the traces)
                 last[0] = scheduler.trace
@@ -207,6 +208,17 @@ def follow(rank: int, tp_size: int, init_method: str, model: str, options: dict,
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
+
+
+class RankEngine(Engine):
+    """The engine of a rank other than 0: built over the group its process has joined; it starts nothing."""
+
+    def __init__(self, args: EngineArgs, group: TPGroup) -> None:
+        self.given_group = group
+        super().__init__(args)
+
+    def join_group(self) -> TPGroup:
+        return self.given_group
 
 
 def parted(group: TPGroup, fingerprint: int, inbox: list) -> str | None:
