@@ -112,11 +112,12 @@ class CacheManager:
         # <<< ch17
     # >>> ch17: the prefix cache
 
-    def enable_tree(self, key: Callable[[list[int]], list]) -> None:
+    def enable_tree(self, bigram: bool = False) -> None:
         """Keep what requests computed in a radix tree over the pool, whose pages it holds too; the
-        allocator comes to it when the free list runs short. `key` makes the tree's key of a token
-        sequence (the runner's cache_key: what a position's K and V depend on)."""
-        self.tree, self.key = RadixCache(self.allocator), key
+        allocator comes to it when the free list runs short. Its keys are token_key's, or with an MTP
+        drafter (`bigram`) bigram_key's: what a position's K and V depend on."""
+        self.tree = RadixCache(self.allocator)
+        self.key: Callable[[list[int]], list] = bigram_key if bigram else token_key
 
     def match_req(self, req: CachedReq) -> None:
         """Before admission: the longest cached prefix of its prompt becomes its first pages, locked for it;
@@ -178,3 +179,19 @@ class CacheManager:
                 problems.append(f"request {r.uid}: req_to_token row {r.row} does not point at its pages")
         return problems
     # <<< ch04
+# >>> ch17: the tree's key of a token sequence
+
+
+def token_key(tokens: list[int]) -> list:
+    """The tree's key of a token sequence: an entry for each position but the last, the token there.
+    The last position's K and V are the next step's to compute: a prompt's last token must run for
+    its logits, and a request's newest token has not run yet."""
+    return tokens[:-1]
+
+
+def bigram_key(tokens: list[int]) -> list:
+    """With an MTP drafter: its K and V at a position were computed from the token after it, so a cached
+    position is shared only by sequences that agree on the next token too. The key of each position is
+    the pair (its token, the next one), SGLang's bigram key; the same count of entries as token_key's."""
+    return list(zip(tokens, tokens[1:]))
+# <<< ch17

@@ -359,18 +359,6 @@ class ModelRunner:
     def release(self, req: Req) -> None:
         """Give back the request's pages and its request slot (the cache manager's)."""
         self.cache.release(req)
-    # >>> ch17: the prefix cache
-
-    def init_prefix_cache(self) -> None:
-        """Turn on the cache manager's radix tree, keyed as this runner's steps compute K and V."""
-        self.cache.enable_tree(self.cache_key)
-
-    def cache_key(self, tokens: list[int]) -> list:
-        """The tree's key of a token sequence: an entry for each position but the last, the token there.
-        The last position's K and V are the next step's to compute: a prompt's last token must run for
-        its logits, and a request's newest token has not run yet."""
-        return tokens[:-1]
-    # <<< ch17
     # >>> ch03: the host writes a token it has read back (before chapter 05 keeps it on the device)
 
     def write_next_token(self, req: Req, token: int) -> None:
