@@ -9,11 +9,13 @@ One iteration of the normal loop does five things, in this order:
     wait      block until the copy is done (on a GPU: the copy-done event)
     process   append each token, apply the stop rules, free what finished, reply to the clients
 
-Admission is what keeps it from crashing when the cache is full: a request is admitted only when a
-request slot is free and the free pages cover everything it may still need, counting what the
-running requests may still need. Otherwise it waits in the queue; nothing is lost, nothing fails.
+Each step's choice is a PrefillAdder's (prefill_adder.py). Its admission is what keeps the loop from
+crashing when the cache is full: a request is admitted only when a request slot is free and the free
+pages cover everything it may still need, counting what the running requests may still need. Otherwise
+it waits in the queue; nothing is lost, nothing fails.
 
-The scheduler never touches the device: the runner runs the steps and owns the tables.
+The scheduler never touches the device: the runner runs the steps and owns the tables, and the cache
+manager (runner.cache) keeps the account of each request's slot and pages.
 """
 
 from __future__ import annotations
