@@ -33,6 +33,6 @@ off = LLM(model="tiny", page_size=4, prefix_cache=False)
 same = [o.token_ids == off.generate(SYSTEM + q, params)[0].token_ids for o, q in zip(outs, QUESTIONS)]
 print(f"tokens equal to the engine without the cache: {all(same)}")
 llm.check_integrity()
-tree = llm.runner.tree
+tree = llm.runner.cache.tree
 print(f"integrity holds; the tree keeps {tree.cached_pages} pages, {tree.evictable_pages} of them evictable "
       f"(no request runs), {llm.runner.allocator.num_free} pages free")

@@ -81,9 +81,9 @@ class Engine:
         if use_cuda_graphs(self.args):
             self.runner.init_graphs(self.max_running)
         # <<< ch13
-        # >>> ch17: the prefix cache (on unless prefix_cache=False)
+        # >>> ch17: the prefix cache (on unless prefix_cache=False); with MTP keyed by token pairs (the drafter's K and V)
         if self.args.prefix_cache:
-            self.runner.init_prefix_cache()
+            self.runner.cache.enable_tree(bigram=self.args.mtp_steps > 0)
         # <<< ch17
         # >>> ch04: the scheduler
         self.scheduler = self.make_scheduler()

@@ -115,7 +115,7 @@ def test_finished_requests_leave_the_batch(llm):
     assert sizes == [(ForwardMode.EXTEND, 3), (ForwardMode.DECODE, 3), (ForwardMode.DECODE, 2), (ForwardMode.DECODE, 2),
                      (ForwardMode.DECODE, 1), (ForwardMode.DECODE, 1)]
     assert [len(r.output_ids) for r in reqs] == [2, 4, 6]
-    kept = llm.runner.tree.cached_pages if getattr(llm.runner, "tree", None) else 0   # from chapter 17: earlier runs' prefixes
+    kept = llm.runner.cache.tree.cached_pages if getattr(llm.runner.cache, "tree", None) else 0   # from chapter 17: earlier runs' prefixes
     assert llm.runner.allocator.num_free + kept == llm.runner.allocator.num_pages - 1, "every page came back"
 
 

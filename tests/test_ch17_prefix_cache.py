@@ -93,7 +93,7 @@ def test_a_hit_shortens_the_prefill_and_the_trace_shows_it():
 def test_with_the_cache_off_every_prompt_is_prefilled_from_scratch():
     llm = LLM(prefix_cache=False)
     outs = [llm.generate([SYSTEM], PARAMS)[0] for _ in range(2)]
-    assert llm.runner.tree is None and [o.cached_tokens for o in outs] == [0, 0]
+    assert llm.runner.cache.tree is None and [o.cached_tokens for o in outs] == [0, 0]
     assert llm.runner.allocator.num_free == llm.runner.usable_pages
     with pytest.raises(ValueError, match="prefix_cache must be True or False, got 1"):
         LLM(prefix_cache=1)
@@ -150,7 +150,7 @@ def test_a_pool_too_small_to_keep_everything_evicts_mid_run(overlap, mtp):
     want = LLM(page_size=4, overlap=False, mtp_steps=mtp, prefix_cache=False).generate(prompts, PARAMS)
     llm = LLM(page_size=4, overlap=overlap, mtp_steps=mtp, num_pages=40, max_running=4, hazard_check=True)
     evicted = []
-    evict = llm.runner.tree.evict
+    evict = llm.runner.cache.tree.evict
     llm.runner.allocator.reclaim = lambda n: evicted.append(n) or evict(n)
     outs = llm.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
@@ -199,7 +199,7 @@ def test_aborts_leave_the_engine_as_good_as_new(overlap, mtp, when):
     replies = abort_when(llm, prompts, uid, when)
     assert [r.finish_reason for r in replies if r.uid == uid][-1] == "abort"
     llm.check_integrity()
-    assert all(n.lock == 0 for n in llm.runner.tree.nodes()), "a lock outlived its request"
+    assert all(n.lock == 0 for n in llm.runner.cache.tree.nodes()), "a lock outlived its request"
     fresh = LLM(page_size=4, overlap=overlap, mtp_steps=mtp, max_running=2, prefix_cache=False)
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == [o.token_ids for o in fresh.generate(prompts, PARAMS)]
     llm.check_integrity()
@@ -226,7 +226,7 @@ def test_a_stream_left_early_frees_its_locks():
     for reply in llm.stream([SYSTEM + [2], SYSTEM + [3]], PARAMS):
         break
     llm.check_integrity()
-    assert llm.runner.tree.evictable_pages == llm.runner.tree.cached_pages
+    assert llm.runner.cache.tree.evictable_pages == llm.runner.cache.tree.cached_pages
     assert llm.runner.free_pages == llm.runner.usable_pages
 
 

@@ -166,7 +166,7 @@ def test_an_abort_between_chunks_or_with_one_in_flight_frees_everything_once(ove
     """Every page and slot free once, no lock left, and the engine then serves the same prompts as a fresh one."""
     llm = abort_after_two_chunks(overlap, mtp)
     llm.check_integrity()
-    assert all(n.lock == 0 for n in llm.runner.tree.nodes()), "a lock outlived its request"
+    assert all(n.lock == 0 for n in llm.runner.cache.tree.nodes()), "a lock outlived its request"
     assert llm.runner.free_pages == llm.runner.usable_pages
     fresh = LLM(page_size=4, overlap=overlap, mtp_steps=mtp, prefix_cache=False, chunked_prefill_size=-1)
     again = [SYSTEM + [1, 2], [5, 6]]

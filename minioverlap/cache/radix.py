@@ -3,11 +3,11 @@
 
 A path from the root spells a token sequence whose K and V some earlier request computed; its nodes hold
 the pages that keep them. A new request whose prompt starts with a cached sequence takes those pages
-instead of computing them again. The tree's key of a sequence has one entry per position (the runner
-makes it, ModelRunner.cache_key: the token, or with an MTP drafter the token and the next one). Keys
-are whole pages: a node's key is a whole number of pages of entries, and its children are keyed by their
-first page. A page is shared whole or not at all (its slots belong to one sequence), so the partial
-last page of a sequence is never cached.
+instead of computing them again. The tree's key of a sequence has one entry per position (the cache
+manager makes it, manager.py's token_key: the token, or bigram_key with an MTP drafter: the token and
+the next one). Keys are whole pages: a node's key is a whole number of pages of entries, and its
+children are keyed by their first page. A page is shared whole or not at all (its slots belong to one
+sequence), so the partial last page of a sequence is never cached.
 
     match_prefix  the longest cached prefix of a key, in whole pages, and the node where it ends
     insert        a key and its pages; returns how many of its first pages the tree already held
@@ -15,7 +15,7 @@ last page of a sequence is never cached.
     evict         free the pages of unlocked leaves, least recently used first, when the pool runs short
 
 The tree owns the pages it holds. A running request that matched a prefix uses the tree's pages for it
-(locked); its other pages are its own until it inserts them (`ModelRunner.cache_req`).
+(locked); its other pages are its own until it inserts them (`CacheManager.cache_req`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 
 from minioverlap.cache.allocator import PageAllocator
 from minioverlap.cache.kv_pool import KVPool, check_memory, default_pages
+from minioverlap.cache.manager import CacheManager
 from minioverlap.cache.req_to_token import ReqToTokenPool
 # >>> ch08: the guards and the checker
 from minioverlap.config import Guards
@@ -47,9 +48,6 @@ from minioverlap.engine.cuda_graph import DecodeGraphs
 # >>> ch16: logprobs, computed with the sample
 from minioverlap.engine.logprobs import StepLogprobs, TokenLogprob, step_logprobs
 # <<< ch16
-# >>> ch17: the prefix cache
-from minioverlap.cache.radix import RadixCache
-# <<< ch17
 
 class ModelRunner:
     """The model and the device state a step touches, one step at a time."""
@@ -59,9 +57,6 @@ class ModelRunner:
     # >>> ch16: the logprobs of the step being launched (None: no request asked), until run hands them to it
     logprobs: StepLogprobs | None = None
     # <<< ch16
-    # >>> ch17: the prefix cache, if init_prefix_cache made it
-    tree: RadixCache | None = None
-    # <<< ch17
 
     def __init__(self, model: Qwen3ForCausalLM, *, num_pages: int | None, page_size: int, max_running: int,
                  max_seq_len: int,
@@ -75,8 +70,9 @@ class ModelRunner:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), sized here (num_pages=None: enough pages for every
         request slot to hold max_seq_len tokens), and the two streams (06). From chapter 08 it also holds
-        the guards and the hazard checker, which it gives to everything that records accesses. Nothing
-        above the runner touches a device table."""
+        the guards and the hazard checker, which it gives to everything that records accesses. A request's
+        slot and pages are the cache manager's (`self.cache`). Nothing above the runner touches a device
+        table."""
         c, weight = model.config, model.model.embed_tokens.weight
         self.model, self.device = model, weight.device
         num_pages = default_pages(max_running, max_seq_len, page_size) if num_pages is None else num_pages
@@ -93,6 +89,7 @@ class ModelRunner:
         self.guards, self.hazards = guards, hazards
         self.tables = ReqToTokenPool(max_running, max_seq_len, weight.device, hazards)
         # <<< ch08
+        self.cache = CacheManager(self.allocator, self.tables)
         # >>> ch06: the two streams
         # >>> ch08 replaces ch06: the checker sees the streams
         #| self.streams = Streams(self.device)
@@ -344,17 +341,13 @@ class ModelRunner:
 
     # ---- request slots and pages
     def admit(self, req: Req) -> None:
-        """Give the request a request slot; from chapter 03 its own generator if seeded, and its prompt
-        in token_pool."""
-        req.row = self.tables.alloc()
+        """Give the request a request slot (the cache manager's); from chapter 03 its own generator if
+        seeded, and its prompt in token_pool."""
+        self.cache.admit(req)
         # >>> ch03: per-request sampling; the prompt goes into token_pool
         req.generator = make_generator(req, self.device)
         self.write_prompt(req)
         # <<< ch03
-        # >>> ch17: a cached prefix: the tree's pages into its row (a write of a shared table: the fence orders it)
-        if req.cached_len:
-            self.tables.write(req.row, 0, self.allocator.kv_slots(req.pages, 0, req.cached_len))
-        # <<< ch17
     # >>> ch03: the prompt goes into token_pool
 
     def write_prompt(self, req: Req) -> None:
@@ -367,72 +360,15 @@ class ModelRunner:
     # <<< ch03
 
     def release(self, req: Req) -> None:
-        """Give back the request's pages and its request slot."""
-        # >>> ch17 replaces ch02: what handled steps computed goes into the tree; its own pages go back, its path unlocked
-        #| self.allocator.free(req.pages)
-        #| self.tables.free(req.row)
-        if self.tree is not None and req.last_node is not None:
-            if req.output_ids and req.error is None:
-                self.cache_req(req)
-            self.tree.unlock(req.last_node)
-        self.allocator.free(req.pages[req.cached_len // self.allocator.page_size:])
-        if req.row:
-            self.tables.free(req.row)
-        req.cached_len, req.last_node = 0, None
-        # <<< ch17
-        req.pages, req.row = [], 0
-    # >>> ch17: the prefix cache
-
-    def init_prefix_cache(self) -> None:
-        """Keep what requests computed in a radix tree over the pool, whose pages it holds too; the
-        allocator comes to it when the free list runs short."""
-        self.tree = RadixCache(self.allocator)
-
-    def cache_key(self, tokens: list[int]) -> list:
-        """The tree's key of a token sequence: an entry for each position but the last, the token there.
-        The last position's K and V are the next step's to compute: a prompt's last token must run for
-        its logits, and a request's newest token has not run yet."""
-        return tokens[:-1]
-
-    def match_prefix(self, req: Req) -> None:
-        """Before admission: the longest cached prefix of its prompt becomes its first pages, locked for it;
-        its prefill starts after them. `release` undoes it if it is not admitted after all."""
-        if self.tree is None:
-            return
-        pages, req.last_node = self.tree.match_prefix(self.cache_key(req.prompt_ids))
-        self.tree.lock(req.last_node)
-        req.pages = pages
-        req.cached_len = req.cached_tokens = req.seq_len = len(pages) * self.allocator.page_size
-
-    def cache_req(self, req: Req, end: int | None = None) -> None:
-        """Insert the tokens whose K and V handled steps computed in whole pages: its first `end` (what a
-        handled prefill computed), or all but its newest token, whose K and V the next step computes.
-        Pages the tree already held replace its own copies, which go back (its row is rewritten: a write
-        of a shared table, after the fence). It then locks the node where they end instead of the one it
-        held."""
-        if self.tree is None:
-            return
-        size = self.allocator.page_size
-        key = self.cache_key(req.prompt_ids + req.output_ids)[:end]
-        n = len(key) // size
-        held, pages, node = self.tree.insert(key[:n * size], req.pages[:n])
-        start = req.cached_len // size
-        duplicates = req.pages[start:held]                  # its own copies of pages the tree held already
-        req.pages[:n] = pages
-        self.tree.lock(node)
-        self.tree.unlock(req.last_node)
-        req.cached_len, req.last_node = n * size, node
-        self.allocator.free(duplicates)
-        if duplicates:
-            self.tables.write(req.row, start * size, self.allocator.kv_slots(pages, start * size, held * size))
-    # <<< ch17
+        """Give back the request's pages and its request slot (the cache manager's)."""
+        self.cache.release(req)
     # >>> ch03: the host writes a token it has read back (before chapter 05 keeps it on the device)
 
     def write_next_token(self, req: Req, token: int) -> None:
         """The token, sampled and read back by the host, into token_pool: the next step's input."""
         self.tables.write_tokens(req.row, req.seq_len, [token])
     # <<< ch03
-    # >>> ch04: what admission asks, and what the integrity check compares
+    # >>> ch04: what admission asks
 
     @property
     def free_rows(self) -> int:
@@ -440,11 +376,8 @@ class ModelRunner:
 
     @property
     def free_pages(self) -> int:
-        """Pages a request may still be given."""
-        # >>> ch17 replaces ch04: pages the tree holds for no running request are free to take (it evicts them)
-        #| return self.allocator.num_free
-        return self.allocator.num_free + (self.tree.evictable_pages if self.tree else 0)
-        # <<< ch17
+        """Pages a request may still be given (the cache manager counts them)."""
+        return self.cache.available_size
 
     @property
     def usable_pages(self) -> int:
@@ -461,30 +394,4 @@ class ModelRunner:
     def need(self, req: Req) -> str:
         """What those pages hold, for the message that refuses a request too large for the pool."""
         return f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens"
-
-    def integrity_problems(self, owners: list[Req]) -> list[str]:
-        """Every page and request slot is free or owned by exactly one of `owners`, and each owner's
-        req_to_token row points at its own pages."""
-        problems = []
-        # >>> ch17 replaces ch04: a request owns its pages past its cached prefix; the tree owns the rest, once
-        #| owned_pages = [p for r in owners for p in r.pages]
-        owned_pages = [p for r in owners for p in r.pages[r.cached_len // self.allocator.page_size:]]
-        if self.tree is not None:
-            owned_pages += self.tree.pages()
-            problems += self.tree.problems([r.last_node for r in owners])
-            problems += [f"request {r.uid}: its cached pages are not its tree path's" for r in owners
-                         if r.pages[:r.cached_len // self.allocator.page_size] != self.tree.path_pages(r.last_node)]
-        # <<< ch17
-        for what, owned, free, total in (
-                ("page", owned_pages, self.allocator.free_pages, self.allocator.num_pages),
-                ("request slot", [r.row for r in owners], self.tables.free_rows, len(self.tables.is_free))):
-            counts = {i: 0 for i in range(1, total)}
-            for i in [*owned, *free]:
-                counts[i] = counts.get(i, 0) + 1
-            problems += [f"{what} {i} is {'lost' if n == 0 else f'owned or free {n} times'}"
-                         for i, n in counts.items() if n != 1]
-        for r in owners:
-            if self.tables.slots_of(r.row, r.seq_len) != self.allocator.kv_slots(r.pages, 0, r.seq_len):
-                problems.append(f"request {r.uid}: req_to_token row {r.row} does not point at its pages")
-        return problems
     # <<< ch04

@@ -2,8 +2,8 @@
 """TokenBudget: how many prompt tokens one step may run, SGLang's `rem_chunk_tokens` (its PrefillAdder,
 managers/schedule_policy.py) and vLLM's `max_num_batched_tokens`.
 
-The scheduler hands the budget out in order: first to the request whose prompt is partly prefilled (its
-next chunk), then to the waiting requests it admits. Each takes the rest of its prompt, or what is left
+The step's prefill adder (prefill_adder.py) makes it and hands it out in order: first to the request whose
+prompt is partly prefilled (its next chunk), then to the waiting requests it admits. Each takes the rest of its prompt, or what is left
 of the budget: a prompt longer than that is prefilled over several steps, in chunks. A mixed step's decode
 rows are tokens of the step too, so they are spent before any prompt: a step runs at most `size` tokens
 (or only its decode rows, where they alone are more).

@@ -3,7 +3,7 @@
 finished freed, and a reply for each client. The Scheduler (scheduler.py) takes these methods from this
 class, as SGLang's Scheduler takes its own from SchedulerOutputProcessorMixin
 (managers/scheduler_output_processor_mixin.py): the loop in one file, what it does with a result in
-another. They use the scheduler's runner, trace and frees.
+another. They use the scheduler's runner, cache manager, trace and frees.
 
 In the overlap loop (chapter 06) this is where results arrive one step late, and where chapter 07's
 four bugs and their fixes live.
@@ -57,7 +57,7 @@ class OutputProcessorMixin:
         # (not one it ended, cached as it was freed, nor one aborted while it ran, dropped whole)
         for req, end in out.batch.prompt_rows():
             if not req.finished:
-                self.runner.cache_req(req, end)
+                self.cache.cache_req(req, end)
         # <<< ch17
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
         replies = [r for r in replies if r is not None]

@@ -9,11 +9,13 @@ One iteration of the normal loop does five things, in this order:
     wait      block until the copy is done (on a GPU: the copy-done event)
     process   append each token, apply the stop rules, free what finished, reply to the clients
 
-Admission is what keeps it from crashing when the cache is full: a request is admitted only when a
-request slot is free and the free pages cover everything it may still need, counting what the
-running requests may still need. Otherwise it waits in the queue; nothing is lost, nothing fails.
+Each step's choice is a PrefillAdder's (prefill_adder.py). Its admission is what keeps the loop from
+crashing when the cache is full: a request is admitted only when a request slot is free and the free
+pages cover everything it may still need, counting what the running requests may still need. Otherwise
+it waits in the queue; nothing is lost, nothing fails.
 
-The scheduler never touches the device: the runner runs the steps and owns the tables.
+The scheduler never touches the device: the runner runs the steps and owns the tables, and the cache
+manager (runner.cache) keeps the account of each request's slot and pages.
 """
 
 from __future__ import annotations
@@ -32,14 +34,12 @@ from collections.abc import Callable
 from minioverlap.config import Guards
 # <<< ch08
 from minioverlap.device.trace import Trace
-from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
+from minioverlap.engine.forward_batch import ForwardBatch
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
 from minioverlap.scheduler.output_processor import OutputProcessorMixin, Reply
-# >>> ch18: a step's budget of prompt tokens
-from minioverlap.scheduler.budget import TokenBudget
-# <<< ch18
+from minioverlap.scheduler.prefill_adder import PrefillAdder
 
 
 # >>> ch16: a server's run lasts as long as its busy period, for ever under load: its trace keeps the last events
@@ -55,7 +55,7 @@ class Scheduler(OutputProcessorMixin):
     def __init__(self, runner: ModelRunner) -> None:
         """The queues of requests (waiting: not admitted yet; running: holding a slot and pages), the
         steps launched but not handled yet (06), and the trace of the current run."""
-        self.runner = runner
+        self.runner, self.cache = runner, runner.cache     # the cache manager: a request's slot and pages
         self.inbox: deque[tuple[str, Req | int]] = deque()   # ("add", req) or ("abort", uid)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -261,27 +261,24 @@ class Scheduler(OutputProcessorMixin):
         return replies
 
     def schedule(self) -> ForwardBatch | None:
-        """Prefill newly admitted requests if any fit, else decode every running request. From chapter 18
-        the prompts of a step share a budget of tokens: the next chunk of a prompt begun goes first, then
-        the waiting requests that fit, each with its first chunk; with mixed_chunk a prefill step carries
-        the decode rows too, one token each, in the same budget."""
+        """The step's choice, which a PrefillAdder makes: the waiting requests that fit, admitted, make a
+        prefill step; if none does, every running request decodes. From chapter 18 the prompts of a step
+        share a budget of tokens: the next chunk of a prompt begun goes first, then the waiting requests
+        that fit, each with its first chunk; with mixed_chunk a prefill step carries the decode rows too."""
         # >>> ch08: the checker names the step in its reports
         self.runner.name_step(self.step + 1)
         # <<< ch08
         # >>> ch18 replaces ch04: within the step's budget: the next chunk of a prompt begun, then new requests
-        #| new = self.admit()
-        budget = self.token_budget()
-        chunks = self.next_chunks(budget)
-        new = self.admit(budget)
+        #| adder = PrefillAdder(self.runner, self.running)
+        adder = PrefillAdder(self.runner, self.running, self.chunked_prefill_size, self.mixed_chunk)
+        adder.add_chunks()
         # <<< ch18
+        new = adder.add_waiting(self.waiting)
         # >>> ch06 replaces ch04: only requests that may take another step (the CPU counts what it launched)
         #| decode = list(self.running)
         decode = [r for r in self.running if r.can_decode]
         # <<< ch06
-        # >>> ch18 replaces ch04: chunks too; with mixed_chunk, one step for the prompts and the decode rows
-        #| mode, reqs = (ForwardMode.EXTEND, new) if new else (ForwardMode.DECODE, decode)
-        mode, reqs = self.step_kind(chunks + new, decode)
-        # <<< ch18
+        mode, reqs = adder.step_kind(decode)
         if not reqs:
             self.check_stalled()
             return None
@@ -293,31 +290,6 @@ class Scheduler(OutputProcessorMixin):
         # <<< ch17
         self.trace.record("schedule", self.step, [r.uid for r in reqs])
         return batch
-
-    # >>> ch18: chunked prefill and mixed steps
-
-    def token_budget(self) -> TokenBudget:
-        """The step's budget of prompt tokens: chunked_prefill_size, less a mixed step's decode rows."""
-        decode_rows = sum(r.can_decode for r in self.running) if self.mixed_chunk else 0
-        return TokenBudget(self.chunked_prefill_size, decode_rows)
-
-    def next_chunks(self, budget: TokenBudget) -> list[Req]:
-        """Running requests whose prompts are partly prefilled (chunked), each given its next chunk."""
-        chunks = []
-        for req in self.running:
-            if req.prefilling and not budget.spent:
-                budget.take(req)
-                chunks.append(req)
-        return chunks
-
-    def step_kind(self, prefill: list[Req], decode: list[Req]) -> tuple[ForwardMode, list[Req]]:
-        """A prefill step if any prompt runs, else a decode step. With mixed_chunk a prefill step carries the
-        decode rows too, after the prompts (the step writes its prompt tokens, the first): one-token extends,
-        as SGLang's mix_with_running makes them (its ForwardMode.MIXED)."""
-        if prefill and self.mixed_chunk:
-            return ForwardMode.EXTEND, prefill + decode
-        return (ForwardMode.EXTEND, prefill) if prefill else (ForwardMode.DECODE, decode)
-    # <<< ch18
 
     def check_stalled(self) -> None:
         """Nothing could be scheduled. If nothing is running either (and, from chapter 06, no step is in
@@ -382,49 +354,7 @@ class Scheduler(OutputProcessorMixin):
         self.runner.wait(out)
         self.trace.record("wait", out.step, [r.uid for r in out.batch.reqs])
 
-    # ---- admission, abort, frees
-    def admit(self,
-              # >>> ch18: the step's budget of prompt tokens
-              budget: TokenBudget,
-              # <<< ch18
-              ) -> list[Req]:
-        """Admit waiting requests, in order, while a slot is free and the pages cover them (from chapter 18
-        while the budget lasts: each takes its first chunk)."""
-        new = []
-        # >>> ch17 replaces ch04: its cached prefix first: pages it will not allocate
-        #| while self.waiting and self.fits(self.waiting[0]):
-        #|     req = self.waiting.popleft()
-        while self.waiting:
-            req = self.waiting[0]
-            # >>> ch18: while the budget lasts
-            if budget.spent:
-                break
-            # <<< ch18
-            self.runner.match_prefix(req)
-            if not self.fits(req):
-                self.runner.release(req)          # its prefix unlocked again: it waits
-                break
-            self.waiting.popleft()
-        # <<< ch17
-            # >>> ch18: its first chunk
-            budget.take(req)
-            # <<< ch18
-            self.runner.admit(req)
-            self.running.append(req)
-            new.append(req)
-        return new
-
-    def fits(self, req: Req) -> bool:
-        """Whether req can start now: a request slot is free, and the free pages not yet promised to
-        running requests cover every page req may need."""
-        # >>> exercise 04.1: admission
-        promised = sum(self.runner.pages_needed(r) - len(r.pages) for r in self.running)
-        # >>> ch17 replaces ch04: the pages of its cached prefix are not needed again
-        #| return self.runner.free_rows > 0 and self.runner.free_pages - promised >= self.runner.pages_needed(req)
-        return self.runner.free_rows > 0 and self.runner.free_pages - promised >= self.runner.pages_needed(req) - len(req.pages)
-        # <<< ch17
-        # <<< exercise 04.1
-
+    # ---- abort, frees
     def find(self, uid: int) -> Req | None:
         return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
 
@@ -506,7 +436,7 @@ class Scheduler(OutputProcessorMixin):
         # >>> ch07 fix slot-reuse: deferred requests still own theirs
         owners += [req for _, req in self.deferred]
         # <<< ch07
-        problems = self.runner.integrity_problems(owners)
+        problems = self.cache.integrity_problems(owners)
         problems += [f"waiting request {r.uid} holds a slot or pages" for r in self.waiting if r.row or r.pages]
         if problems:
             raise IntegrityError("; ".join(problems))

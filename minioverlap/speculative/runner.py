@@ -267,14 +267,6 @@ class SpecRunner(ModelRunner):
         if out.batch.mode is ForwardMode.TARGET_VERIFY:
             req.seq_len += len(tokens)
 
-    # >>> ch17: the prefix cache
-
-    def cache_key(self, tokens: list[int]) -> list:
-        """The drafter's K and V at a position were computed from the token after it: a cached position is
-        shared only by sequences that agree on the next token too. So the key of each position is the
-        pair (its token, the next one), SGLang's bigram key; the same count of entries as the plain key."""
-        return list(zip(tokens, tokens[1:]))
-    # <<< ch17
 
     # >>> ch19: a constrained window
 
