@@ -17,8 +17,9 @@ from minioverlap.engine.model_runner import ModelRunner
 # <<< ch02
 from minioverlap.model.loader import DTYPES, checkpoint_dtype, load_model, load_tokenizer, resolve_model_dir
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
-from minioverlap.processor import Processor
-from minioverlap.sampling_params import _integer
+from minioverlap.engine.request import Req
+from minioverlap.processor import Processor, Prompt
+from minioverlap.sampling_params import SamplingParams, _integer
 # >>> ch04: the scheduler
 from minioverlap.scheduler.scheduler import Scheduler
 # <<< ch04
@@ -167,6 +168,15 @@ class Engine:
         return load_mtp(self.model_dir, self.model, self.backend.mtp)
         # <<< ch15
     # <<< ch09
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.processor.encode(prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.processor.decode(token_ids)
+
+    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+        return self.processor.make_request(prompt, params)
 
 
 def engine_args(model: str, options: dict) -> EngineArgs:

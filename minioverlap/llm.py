@@ -76,15 +76,6 @@ class LLM(Engine):
         return self.ranks.group
     # <<< ch20
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        return self.processor.encode(prompt)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.processor.decode(token_ids)
-
-    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
-        return self.processor.make_request(prompt, params)
-
     def make_requests(self, prompts: Prompt | list[Prompt], params: Params) -> list[Req]:
         """Check every prompt first (Processor.make_requests); only if all pass do they get their uids."""
         reqs = self.processor.make_requests(prompts, params)
