@@ -22,29 +22,12 @@ from conftest import CODE_PROMPTS, TINY, _hf_model
 from minioverlap import LLM, SamplingParams
 from minioverlap.config import EngineArgs
 from minioverlap.engine.sampler import adjusted_probs
+from test_ch16_logprobs_stop import LOOPS, SEQ_LEN, engines  # noqa: F401  (engines: the module's engine per setting)
 
-SEQ_LEN = 128
 EOS_FIRST = "if __name__ == '__main__':\n    main()\n"   # the tiny model's greedy answer: EOS at once
 LINES = "import os\n"                # greedy: "import sys\nimport unittest\n...", a "\n" (token 199) third
 NEWLINE = 199
-LOOPS = [pytest.param(overlap, mtp, id=f"{'overlap' if overlap else 'normal'}-mtp{mtp}")
-         for overlap in (False, True) for mtp in (0, 3)]
-
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one torch thread for the module
-
-
-@pytest.fixture(scope="module")
-def engines():
-    """engines(overlap, mtp_steps): one engine of the tiny model per setting, for the module."""
-    made: dict[tuple, LLM] = {}
-
-    def get(overlap: bool, mtp_steps: int) -> LLM:
-        if (overlap, mtp_steps) not in made:
-            made[overlap, mtp_steps] = LLM(model="tiny", overlap=overlap, mtp_steps=mtp_steps, max_seq_len=SEQ_LEN)
-        return made[overlap, mtp_steps]
-
-    yield get
-    made.clear()
 
 
 @functools.lru_cache(maxsize=None)
