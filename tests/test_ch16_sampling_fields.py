@@ -70,22 +70,6 @@ def test_repetition_penalty_equals_transformers(engines, overlap, mtp):
     llm.check_integrity()
 
 
-@pytest.mark.parametrize("overlap, mtp", LOOPS)
-def test_repetition_penalty_counts_a_prompt_the_prefix_cache_served(engines, overlap, mtp):
-    """A prompt whose first pages the prefix cache served is never written whole into token_pool (its
-    prefill runs only the rest), so the row holds the previous owner's tokens there: the penalty must
-    still count the prompt's own."""
-    llm = engines(overlap, mtp)
-    shared = llm.processor.encode("".join(CODE_PROMPTS))[:32]           # 2 pages of 16: all but the last prompt token
-    llm.generate([shared + [929, 605]], SamplingParams(max_tokens=4))   # their pages into the cache (MTP's key: pairs)
-    llm.generate([[5] * 60], SamplingParams(max_tokens=2))              # another request's tokens in the row
-    prompt = shared + [929]
-    out = llm.generate([prompt], SamplingParams(max_tokens=32, repetition_penalty=2.0))[0]
-    assert out.cached_tokens == 32
-    assert out.token_ids == hf_generate(tuple(prompt), 32, repetition_penalty=2.0)
-    llm.check_integrity()
-
-
 # ---- min_tokens
 
 

@@ -16,6 +16,9 @@ from minioverlap.cache.radix import RadixCache
 from minioverlap.config import Guards
 from minioverlap.device.hazard import HazardError
 from minioverlap.engine.forward_batch import ForwardMode
+from test_ch16_logprobs_stop import LOOPS, engines  # noqa: F401  (engines: the module's engine per setting)
+from conftest import CODE_PROMPTS
+from test_ch16_sampling_fields import hf_generate
 
 SYSTEM = list(range(100, 150))                       # a 50-token "system prompt"
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -308,3 +311,19 @@ def test_the_server_reports_cached_tokens_in_openais_usage_field():
         finally:
             code, out = server.stop()
         assert code == 0, out
+
+
+@pytest.mark.parametrize("overlap, mtp", LOOPS)
+def test_repetition_penalty_counts_a_prompt_the_prefix_cache_served(engines, overlap, mtp):
+    """Chapter 16's repetition penalty, with the prefix cache. A prompt whose first pages the prefix cache served is never written whole into token_pool (its
+    prefill runs only the rest), so the row holds the previous owner's tokens there: the penalty must
+    still count the prompt's own."""
+    llm = engines(overlap, mtp)
+    shared = llm.processor.encode("".join(CODE_PROMPTS))[:32]           # 2 pages of 16: all but the last prompt token
+    llm.generate([shared + [929, 605]], SamplingParams(max_tokens=4))   # their pages into the cache (MTP's key: pairs)
+    llm.generate([[5] * 60], SamplingParams(max_tokens=2))              # another request's tokens in the row
+    prompt = shared + [929]
+    out = llm.generate([prompt], SamplingParams(max_tokens=32, repetition_penalty=2.0))[0]
+    assert out.cached_tokens == 32
+    assert out.token_ids == hf_generate(tuple(prompt), 32, repetition_penalty=2.0)
+    llm.check_integrity()
