@@ -11,9 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from minioverlap.builder import Engine, engine_args
-# >>> ch20: the other ranks' devices
-from minioverlap.builder import check_device
-# <<< ch20
 # >>> ch02 removes ch01: chapter 01's path: one prompt at a time, a contiguous cache
 #| from minioverlap.reference.contiguous import serve
 # <<< ch02
@@ -71,8 +68,7 @@ class LLM(Engine):
         join their group as rank 0."""
         if self.args.tp_size == 1:
             return TPGroup.single()
-        self.ranks = Ranks(self.args.model, self.options, self.args.tp_size, check_device(self.args.device),
-                           self.args.dist_timeout)
+        self.ranks = Ranks(self.args.model, self.options, self.args.tp_size, self.device, self.args.dist_timeout)
         return self.ranks.group
     # <<< ch20
 
