@@ -110,7 +110,7 @@ def radix_data() -> dict:
     for _ in range(RADIX_SECOND_REPLIES):
         next(stream)
     running = [r for r in llm.scheduler.running]
-    problems = llm.runner.integrity_problems(running)
+    problems = llm.runner.cache.integrity_problems(running)
     after = tree_snapshot(llm, running)
     stream.close()
     llm.check_integrity()
