@@ -53,6 +53,18 @@ def test_greedy_tokens_equal_one_device(dp2, one_device):
     dp2.check_integrity()
 
 
+def test_rank_0_reports_another_rank_s_cached_tokens_from_its_replies(dp2):
+    """Rank 0 knows the requests another rank serves by their replies alone, which carry what its
+    callers' outputs report (describe): the prompt tokens each rank's prefix cache served equal one
+    device's, the second time the prompts come, rank 1's requests included."""
+    one = LLM(overlap=False, **OPTIONS)
+    with no_hang(RUN_S):
+        for llm in (one, dp2):
+            llm.generate(PROMPTS, PARAMS)
+        want, outs = ([o.cached_tokens for o in llm.generate(PROMPTS, PARAMS)] for llm in (one, dp2))
+    assert outs == want and want[3] > 0, "the fourth request (rank 1's) is served from the cache"
+
+
 def test_an_idle_rank_runs_the_empty_batch_in_every_step(dp2, one_device):
     """One request: rank 1 has nothing, and runs the empty batch in each of the steps rank 0 runs."""
     assert tokens_of(dp2, PROMPTS[:1], PARAMS[:1]) == one_device[:1]

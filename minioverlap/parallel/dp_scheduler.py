@@ -37,9 +37,6 @@ from minioverlap.parallel.group import TPGroup
 from minioverlap.scheduler.output_processor import Reply
 from minioverlap.scheduler.scheduler import Scheduler, checksum
 
-MIRRORED = ("cached_tokens", "verify_steps")   # what a reply does not carry but the caller's output reports
-
-
 class DPScheduler(Scheduler):
     """Scheduler for one rank of a DP-attention engine (LLM(tp_size=N, dp_attention=True)). Its loops are
     Scheduler's; what differs is who holds which request, and the exchanges that keep the ranks' steps
@@ -129,25 +126,24 @@ class DPScheduler(Scheduler):
     def gather_replies(self, replies: list[Reply]) -> list[Reply]:
         """Every rank's replies of this iteration, on rank 0 (in rank order; [] on the others). Rank 0 writes
         the other ranks' into its copies of their requests, for what it returns to its callers."""
-        sent = [(reply, {name: getattr(self.mine[reply.uid], name) for name in MIRRORED}) for reply in replies]
         for reply in replies:
             if reply.finished:
                 del self.mine[reply.uid]
-        everyone = self.group.all_gather_object(sent)
+        everyone = self.group.all_gather_object(replies)
         if self.following:
             return []
         for rank_replies in everyone[1:]:
-            for reply, fields in rank_replies:
-                self.mirror(reply, fields)
-        return [reply for rank_replies in everyone for reply, _ in rank_replies]
+            for reply in rank_replies:
+                self.mirror(reply)
+        return [reply for rank_replies in everyone for reply in rank_replies]
 
-    def mirror(self, reply: Reply, fields: dict) -> None:
-        """Rank 0's copy of another rank's request, brought up to its reply (and the MIRRORED fields)."""
+    def mirror(self, reply: Reply) -> None:
+        """Rank 0's copy of another rank's request, brought up to its reply: its tokens, logprobs, verify
+        steps and cached prompt tokens, and how it finished."""
         req = self.remote[reply.uid]
         req.output_ids.extend(reply.token_ids)
         req.logprobs.extend(reply.logprobs or [])
-        for name, value in fields.items():
-            setattr(req, name, value)
+        req.verify_steps, req.cached_tokens = reply.verify_steps, reply.cached_tokens
         if reply.finished:
             req.finish_reason, req.error = reply.finish_reason, reply.error
             del self.remote[reply.uid]

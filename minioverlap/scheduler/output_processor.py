@@ -33,6 +33,12 @@ class Reply:
     # >>> ch16: logprobs
     logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, if the request asked
     # <<< ch16
+    # >>> ch09: what the caller's output reports of its request beyond its tokens (OutputProcessorMixin.describe)
+    verify_steps: int = 0             # with MTP, the target passes that made its tokens so far
+    # <<< ch09
+    # >>> ch17: the prefix cache
+    cached_tokens: int = 0            # prompt tokens its request found in the prefix cache
+    # <<< ch17
 
 
 class OutputProcessorMixin:
@@ -83,9 +89,9 @@ class OutputProcessorMixin:
         if req in out.batch.chunked:
             return None
         # <<< ch18
-        # >>> ch09 replaces ch04: a window of tokens, handled one by one
+        # >>> ch09 replaces ch04: a window of tokens, handled one by one; its reply tells of the request (describe)
         #| return self.handle(req, tokens[0])
-        return self.handle_window(req, tokens, out)
+        return self.describe(req, self.handle_window(req, tokens, out))
         # <<< ch09
 
     def handle(self, req: Req, token: int) -> Reply | None:
@@ -134,6 +140,18 @@ class OutputProcessorMixin:
                      replies[-1].error)
         # <<< ch19
         # <<< exercise 12.1
+
+    def describe(self, req: Req, reply: Reply | None) -> Reply | None:
+        """Write into a request's reply what its caller's output reports beyond the tokens: its verify
+        steps so far (from chapter 17, the prompt tokens the prefix cache served). A reply carries them
+        because its caller may not hold the request: a server's HTTP side, or rank 0 of DP attention,
+        whose request another rank serves."""
+        if reply is not None:
+            reply.verify_steps = req.verify_steps
+            # >>> ch17: the prefix cache
+            reply.cached_tokens = req.cached_tokens
+            # <<< ch17
+        return reply
     # <<< ch09
     # >>> ch16: logprobs
 

@@ -256,8 +256,12 @@ class Scheduler(OutputProcessorMixin):
             kind, item = self.inbox.popleft()
             if kind == "add":
                 self.waiting.append(item)
+            # >>> ch09 replaces ch04: its reply tells what its caller's output reports of it (describe)
+            #| elif (req := self.find(item)) is not None:
+            #|     replies.append(self.abort_now(req))
             elif (req := self.find(item)) is not None:
-                replies.append(self.abort_now(req))
+                replies.append(self.describe(req, self.abort_now(req)))
+            # <<< ch09
         return replies
 
     def schedule(self) -> ForwardBatch | None:
@@ -364,7 +368,10 @@ class Scheduler(OutputProcessorMixin):
         """End a request whose step failed for it alone: freed as a finish is, its reply says why."""
         req.finish_reason = "error"
         self.free(req)
-        return Reply(req.uid, [], True, "error", req.error)
+        # >>> ch09 replaces ch07: its reply tells what its caller's output reports of it (describe)
+        #| return Reply(req.uid, [], True, "error", req.error)
+        return self.describe(req, Reply(req.uid, [], True, "error", req.error))
+        # <<< ch09
     # <<< ch07
 
     def abort_now(self, req: Req) -> Reply:

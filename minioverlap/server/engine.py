@@ -55,9 +55,6 @@ class EngineLoop:
         self.inbox, self.outbox = inbox, outbox
         self.stopping = False
         self.finishes: dict[str, int] = {}
-        # >>> ch17: each running request, for its cached_tokens
-        self.reqs: dict[int, Req] = {}
-        # <<< ch17
 
     def serve(self) -> None:
         while not self.stopping:
@@ -68,18 +65,10 @@ class EngineLoop:
                     self.send(reply)
 
     def send(self, reply: Reply) -> None:
-        """A reply to the HTTP side (from chapter 17 with the prompt tokens its request found in the prefix
-        cache: the request is kept in self.reqs until it finishes); a finished request is counted by its
-        finish_reason."""
-        # >>> ch17 replaces ch16: with the prompt tokens its request found in the prefix cache
-        #| self.outbox.send(tokens(reply))
-        self.outbox.send(tokens(reply, self.reqs[reply.uid].cached_tokens))
-        # <<< ch17
+        """A reply to the HTTP side; a finished request is counted by its finish_reason."""
+        self.outbox.send(tokens(reply))
         if reply.finished:
             self.finishes[reply.finish_reason] = self.finishes.get(reply.finish_reason, 0) + 1
-            # >>> ch17: each running request, for its cached_tokens
-            del self.reqs[reply.uid]
-            # <<< ch17
 
     def receive(self) -> bool:
         """The receive step: every message that arrived since the last one, without waiting. False: stop."""
@@ -131,9 +120,6 @@ class EngineLoop:
             return
         # <<< ch19
         self.scheduler.add_request(req)
-        # >>> ch17: each running request, for its cached_tokens
-        self.reqs[msg.rid] = req
-        # <<< ch17
         self.outbox.send(Accepted(msg.rid))
 
     def report(self) -> Report:
@@ -148,13 +134,14 @@ class EngineLoop:
                       self.llm.backend.kernels, len(sched.running), len(sched.waiting) + len(sched.inbox))
 
 
-# >>> ch17 replaces ch16: with the prompt tokens its request found in the prefix cache
-#| def tokens(reply: Reply) -> Tokens:
-#|     return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply))
-def tokens(reply: Reply, cached_tokens: int) -> Tokens:
+def tokens(reply: Reply) -> Tokens:
+    """A reply as the pipe carries it (from chapter 17 with the prompt tokens its request found in the
+    prefix cache)."""
     return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply),
-                  cached_tokens)
-# <<< ch17
+                  # >>> ch17: the prefix cache
+                  reply.cached_tokens,
+                  # <<< ch17
+                  )
 
 
 def logprobs(reply: Reply) -> list[tuple[float, list[tuple[int, float]]]] | None:
