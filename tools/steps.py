@@ -14,10 +14,10 @@ concern (tools/README.md: "Where the code is").
     python tools/steps.py check [--chapters 1-3] [--no-proofs]
     python tools/steps.py diff N [--code] | tree N | bugs N | snippets [--write] | outputs [--chapters 9-14]
 
-practice/judge.py imports it (`sys.path.insert(0, "tools"); import steps`) for load_registry,
-build_stage, find_exercises and run_pytest, and load_book, blocks and render to read an exercise's
-reference region; tests/tools/test_steps.py for these and a few more. They are re-exported here from
-tools/book/, where they live.
+The judge's modules, practice/judging/, import it (`sys.path.insert(0, "tools"); import steps`)
+for load_registry, build_stage, stage_text, find_exercises and run_pytest, and load_book, blocks and
+render to read an exercise's reference region; tests/tools/test_steps.py for these and a few more.
+They are re-exported here from tools/book/, where they live.
 """
 
 from __future__ import annotations
