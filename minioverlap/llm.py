@@ -79,7 +79,7 @@ class LLM(Engine):
         for req in reqs:
             self.scheduler.check_fits_pool(req)
         # <<< ch04
-        # >>> ch19: a request with a grammar gets its own matcher
+        # >>> ch19: a request with a grammar gets its own, compiling in the backend's thread
         for req in reqs:
             req.grammar = self.processor.grammar(req.params)
         # <<< ch19

@@ -118,8 +118,9 @@ class Processor:
     # >>> ch19: a request's grammar
 
     def grammar(self, params: SamplingParams) -> Grammar | None:
-        """A new matcher for the request's grammar (None: it has none). The compiler, over the vocabulary
-        as xgrammar reads it, is made at the first grammar, once; it keeps every grammar it compiles."""
+        """The request's grammar (None: it has none), at once: its compile runs in the backend's thread, and
+        its matcher is made when the request is admitted. The backend is made at the first grammar, once;
+        it compiles each grammar once."""
         if params.grammar_kind is None:
             return None
         if self.tokenizer is None:

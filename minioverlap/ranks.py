@@ -11,9 +11,11 @@ After each exchange the ranks compare fingerprints of what they hold (`parted`):
 end the engine there, before their batches' collectives could pair wrongly.
 Only rank 0 has callers, and only rank 0's replies go anywhere.
 
-A request crosses as it is, but for what a process cannot pickle or need not carry: its grammar's
-matcher and its stop-string decoder, which each rank makes again from the request's params (`shared`,
-`received`).
+A request crosses as it is, but for what a process cannot pickle or need not carry: its grammar and its
+stop-string decoder, which each rank makes again from the request's params (`shared`, `received`): each
+rank compiles the grammar in its own thread, and the request joins the waiting ones when rank 0's compile
+is done, announced in the inbox the ranks share (Scheduler.announce_grammars), at the same step on every
+rank.
 
 Stopping. `Ranks.shutdown` sends the ranks a stop through the same channel, waits for them, and kills
 any that do not end. A rank that fails sends its traceback up its pipe and exits; rank 0's next
@@ -240,7 +242,7 @@ def parted(group: TPGroup, fingerprint: int, inbox: list) -> str | None:
 
 def shared(items: list) -> list:
     """Rank 0's inbox as it crosses to the other ranks: each request without what does not pickle (its
-    grammar's matcher) or need not cross (its stop-string decoder), which each rank makes again. A sampled
+    grammar's compile) or need not cross (its stop-string decoder), which each rank makes again. A sampled
     request without a seed is given one first, here on rank 0 (SGLang broadcasts one seed to its ranks at
     start): every rank then draws its tokens from the same generator, not from its process's own, whose
     state rank 0's caller may have moved."""
@@ -251,7 +253,8 @@ def shared(items: list) -> list:
 
 
 def received(items: list, processor) -> list:
-    """The inbox a rank received: each request given its own matcher and decoder, from its params."""
+    """The inbox a rank received: each request given its own grammar (its compile starts now, in this
+    rank's thread) and decoder, from its params."""
     for kind, item in items:
         if isinstance(item, Req):
             item.grammar, item.text = processor.grammar(item.params), processor.text_stream(item.params)

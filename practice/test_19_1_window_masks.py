@@ -28,13 +28,15 @@ SCHEMA = {"type": "object", "required": ["n"], "properties": {"n": {"type": "int
 @pytest.fixture(scope="module")
 def backend():
     llm = LLM(overlap=False)
-    llm.processor.grammar(SamplingParams(regex="a"))          # the compiler, made at the first grammar
+    llm.processor.grammar(SamplingParams(regex="a"))          # the backend, made at the first grammar
     return llm.processor.grammars, llm.processor.tokenizer, llm.config.vocab_size
 
 
 def grammar(backend, **params) -> Grammar:
     p = SamplingParams(**params)
-    return backend[0].grammar(p.grammar_kind, p.json_schema or p.regex)
+    g = backend[0].grammar(p.grammar_kind, p.json_schema or p.regex)
+    g.start()                                                   # its matcher, once compiled
+    return g
 
 
 def ids(backend, text: str) -> list[int]:

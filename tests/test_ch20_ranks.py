@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from dataclasses import replace
 
 import jsonschema
@@ -18,6 +19,7 @@ import pytest
 from conftest import no_hang
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
+from minioverlap.constrained.grammar import GrammarBackend
 from minioverlap import ranks as ranks_module
 from minioverlap.ranks import RankFailed, shared
 
@@ -115,6 +117,36 @@ def test_the_n_gram_drafter_and_grammars_over_two_ranks():
         assert [o.token_ids for o in outs] == want and outs[0].verify_steps < len(outs[0].token_ids)
         jsonschema.validate(json.loads(outs[1].text), SCHEMA)
     finally:
+        llm.shutdown()
+    assert_no_rank_left(llm, procs)
+
+
+def test_a_grammar_rank_0_still_compiles_is_admitted_on_every_rank_at_one_step(monkeypatch):
+    """Rank 0's compile is held at a gate, the other rank's is not: that rank admits the request only when
+    rank 0 announces its compile done (else the ranks' schedulers part: RankFailed). The plain request runs
+    to its end meanwhile, and the tokens are one device's."""
+    params = [SamplingParams(max_tokens=48, json_schema=SCHEMA), SamplingParams(max_tokens=12)]
+    prompts = PROMPTS[:2]
+    want = tokens_of(LLM(overlap=False), prompts, params)
+    gate, compile_ = threading.Event(), GrammarBackend.compile
+
+    def held(backend, kind, source):             # rank 0's only: the other rank is a process of its own
+        gate.wait(RUN_S / 2)
+        return compile_(backend, kind, source)
+    monkeypatch.setattr(GrammarBackend, "compile", held)
+    llm = LLM(tp_size=2, overlap=True)
+    procs = list(llm.ranks.procs)
+    try:
+        tokens, first = {0: [], 1: []}, llm.next_uid
+        with no_hang(RUN_S):
+            for reply in llm.stream(prompts, params):
+                assert gate.is_set() or reply.uid == first + 1, "the grammar request ran before its compile"
+                tokens[reply.uid - first] += reply.token_ids
+                if reply.uid == first + 1 and reply.finished:
+                    gate.set()
+        assert gate.is_set() and [tokens[0], tokens[1]] == want
+    finally:
+        gate.set()
         llm.shutdown()
     assert_no_rank_left(llm, procs)
 

@@ -6,8 +6,10 @@ backend of SGLang and vLLM) compiles against the engine's vocabulary: in every s
 which tokens may come next. Three pieces:
 
     GrammarBackend   one per engine: the vocabulary as xgrammar reads it (its TokenizerInfo, built once)
-                     and a GrammarCompiler that keeps what it compiled (the same schema compiles once)
-    Grammar          one per request: a GrammarMatcher over its compiled grammar. It fills the request's
+                     and a GrammarCompiler, run in a thread of its own (the scheduler never waits for a
+                     compile), with a future per grammar (the same schema compiles once)
+    Grammar          one per request: its compile's future, then, once the request is admitted (start), a
+                     GrammarMatcher over its compiled grammar. It fills the request's
                      row of a token bitmask (or a verify window's rows, walking along the drafts and
                      back), accepts each token the request takes, and says when it has terminated (it
                      took a stop token where the grammar may end)
@@ -30,6 +32,7 @@ module is imported where a grammar first is.
 from __future__ import annotations
 
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -49,36 +52,70 @@ def compile_error(schema: str | None, regex: str | None) -> str | None:
         else:
             xgr.Grammar.from_regex(regex)
     except RuntimeError as e:          # what xgrammar raises for a schema or regex it cannot compile
-        return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()   # without its time and C++ source line
+        return complaint(e)
     return None
 
 
+def complaint(error: RuntimeError) -> str:
+    """xgrammar's message, without its time and C++ source line."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error)).strip()
+
+
 class GrammarBackend:
-    """The engine's grammar compiler, over its vocabulary."""
+    """The engine's grammar compiler, over its vocabulary, in a thread of its own (SGLang's grammar backend
+    compiles in a ThreadPoolExecutor too): a request's grammar is compiled while the scheduler runs the
+    other requests' steps, and the request waits in the scheduler's grammar queue until it is done."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         """vocab_size is the model's (its logits' width), which may exceed the tokenizer's: the tokens past
         the tokenizer's are never allowed. A grammar ends with one of stop_token_ids (the model's EOS)."""
-        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
-                                                  vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        self.vocab = (tokenizer, vocab_size, stop_token_ids)
+        self.compiler: xgr.GrammarCompiler | None = None        # made by the thread, at its first compile
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.futures: dict[tuple[str, str | None], Future] = {}  # (kind, source) -> its compile
 
     def grammar(self, kind: str, source: str | None) -> Grammar:
-        """A new matcher for a grammar given as SamplingParams gives it: kind "json_schema" (source: the
-        schema as JSON text), "regex" (source: the regex) or "json_object" (no source). The compiler keeps
-        each grammar it compiles, by its text: the next request with the same one only makes a matcher."""
+        """A request's grammar, given as SamplingParams gives it: kind "json_schema" (source: the schema as
+        JSON text), "regex" (source: the regex) or "json_object" (no source). At once: its compile is
+        queued on the thread, or, for a grammar asked for before, is the one queued then."""
+        key = (kind, source)
+        if key not in self.futures:
+            self.futures[key] = self.thread.submit(self.compile, kind, source)
+        return Grammar(kind, self.futures[key])
+
+    def compile(self, kind: str, source: str | None) -> xgr.CompiledGrammar:
+        """In the thread: the grammar compiled against the vocabulary (xgrammar's RuntimeError if it cannot
+        be). The first compile builds the vocabulary as xgrammar reads it (its TokenizerInfo)."""
+        if self.compiler is None:
+            tokenizer, vocab_size, stop_token_ids = self.vocab
+            info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+                                                      vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+            self.compiler = xgr.GrammarCompiler(info)
         if kind == "regex":
-            compiled = self.compiler.compile_regex(source)
-        else:
-            compiled = self.compiler.compile_json_schema(source if kind == "json_schema" else JSON_OBJECT, **COMPACT)
-        return Grammar(xgr.GrammarMatcher(compiled))
+            return self.compiler.compile_regex(source)
+        return self.compiler.compile_json_schema(source if kind == "json_schema" else JSON_OBJECT, **COMPACT)
 
 
 class Grammar:
     """A request's grammar, in the state its tokens so far have left it in."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
-        self.matcher = matcher
+    def __init__(self, kind: str, compiled: Future) -> None:
+        self.kind = kind                         # SamplingParams' field that asked for it
+        self.compiled = compiled                 # its compile, in the backend's thread
+        self.matcher: xgr.GrammarMatcher | None = None   # made when the request is admitted (start)
+
+    def ready(self) -> bool:
+        """Whether its compile is done (or has failed): a poll, which never waits."""
+        return self.compiled.done()
+
+    def start(self) -> None:
+        """Its matcher, at the grammar's start, once the request is admitted. It waits for the compile if that
+        is not done (a following rank's, chapter 20: rank 0's is). A grammar that did not compile against
+        the vocabulary: ValueError naming the field, with xgrammar's complaint."""
+        try:
+            self.matcher = xgr.GrammarMatcher(self.compiled.result())
+        except RuntimeError as e:
+            raise ValueError(f"{self.kind} did not compile against the vocabulary: {complaint(e)}") from None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Its row of the bitmask: the tokens it may take next. False if it allows none."""

@@ -6,7 +6,8 @@ For each step N both loops record, each as its phase ends: `schedule` (the batch
 handled: tokens appended, stop rules, frees) and `reply` (the handled tokens went to the clients).
 A server's loop (chapter 16) also records `receive`: requests that arrived while the last step ran.
 From chapter 19 the overlap loop records `mask`: a constrained step's masks filled and its sample
-queued, once the step before it has been handled. From chapter 20, with several ranks, every rank records
+queued, once the step before it has been handled; and both loops `grammar`: requests whose grammar has
+compiled leave the grammar queue (the step is the last one scheduled). From chapter 20, with several ranks, every rank records
 `share` before each iteration: its inbox became rank 0's (the requests that arrived with it).
 """
 
@@ -27,6 +28,8 @@ KINDS += ("chunk",)
 # <<< ch18
 # >>> ch19: and the step whose masks were filled and whose sample was queued after the step before was handled
 KINDS += ("mask",)
+# and the requests whose grammar is compiled (or failed to): they leave the grammar queue
+KINDS += ("grammar",)
 # <<< ch19
 # >>> ch20: and, with several ranks, each iteration's inbox taken from rank 0 (what it received)
 KINDS += ("share",)

@@ -58,12 +58,18 @@ class DPScheduler(Scheduler):
         is busy (requests queued or running, a step in flight) or a request arrives; this rank keeps the new
         requests `assign` gives it (by load: requests queued and running); and if any rank must handle its
         step in flight before it builds the next (a drafter's, chapter 19), every rank does (overlap_loop)."""
-        here = bool(self.waiting or self.running) or last is not None
+        here = bool(self.grammar_queue or self.waiting or self.running) or last is not None
         first = last is not None and self.runner.waits_for_host(self.running)
-        ranks = self.group.all_gather_ints([int(here), len(self.waiting) + len(self.running), int(first)])
+        load = len(self.grammar_queue) + len(self.waiting) + len(self.running)
+        ranks = self.group.all_gather_ints([int(here), load, int(first)])
         self.all_handle_first = any(first for _, _, first in ranks)
         arrived = self.keep_own([load for _, load, _ in ranks])
         return any(busy for busy, _, _ in ranks) or arrived
+
+    def idle(self) -> bool:
+        """Rank 0 may wait a moment for a grammar's compile only if no rank serves a request: the others'
+        steps would wait with it."""
+        return super().idle() and not self.remote
 
     def keep_own(self, loads: list[int]) -> bool:
         """The shared inbox, less the new requests `assign` gives to other ranks (rank 0 keeps a copy of

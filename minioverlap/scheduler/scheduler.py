@@ -29,6 +29,9 @@ from array import array
 # >>> ch16: a server's requests arrive while the loop runs
 from collections.abc import Callable
 # <<< ch16
+# >>> ch19: grammars compile in a thread of their own
+from concurrent import futures
+# <<< ch19
 
 # >>> ch08: the guards
 from minioverlap.config import Guards
@@ -45,6 +48,9 @@ from minioverlap.scheduler.prefill_adder import PrefillAdder
 # >>> ch16: a server's run lasts as long as its busy period, for ever under load: its trace keeps the last events
 TRACE_EVENTS = 100_000
 # <<< ch16
+# >>> ch19: an idle scheduler waits this long at most for a grammar's compile, then looks at its inbox again
+GRAMMAR_POLL_S = 0.005
+# <<< ch19
 
 
 class IntegrityError(RuntimeError):
@@ -77,6 +83,10 @@ class Scheduler(OutputProcessorMixin):
         self.chunked_prefill_size: int | None = None
         self.mixed_chunk = False
         # <<< ch18
+        # >>> ch19: requests whose grammar compiles (SGLang's grammar_queue), and the compiles watched here
+        self.grammar_queue: list[Req] = []    # received; each joins the waiting ones once its grammar is compiled
+        self.compiling: list[Req] = []        # submitted here, their compile not yet announced (announce_grammars)
+        # <<< ch19
         # >>> ch20: the ranks: every rank's inbox becomes rank 0's before each iteration (None: one rank)
         self.share: Callable[[list], list] | None = None
         self.following = False                  # a rank other than 0: it runs until rank 0 says stop
@@ -94,17 +104,28 @@ class Scheduler(OutputProcessorMixin):
     def submit(self, reqs: list[Req]) -> None:
         """Queue a run's requests for its first receive."""
         self.inbox.extend(("add", req) for req in reqs)
+        # >>> ch19: their grammars' compiles, watched until they are done
+        self.compiling += [req for req in reqs if req.grammar is not None]
+        # <<< ch19
 
     def add_request(self, req: Req) -> None:
         """Queue a request for the next receive (a run in progress)."""
         self.inbox.append(("add", req))
+        # >>> ch19: its grammar's compile, watched until it is done
+        if req.grammar is not None:
+            self.compiling.append(req)
+        # <<< ch19
 
     def abort(self, uid: int) -> None:
         self.inbox.append(("abort", uid))
 
     @property
     def busy(self) -> bool:
-        return bool(self.inbox or self.waiting or self.running)
+        """Whether a request is queued or running."""
+        # >>> ch19 replaces ch04: the grammar queue too
+        #| return bool(self.inbox or self.waiting or self.running)
+        return bool(self.inbox or self.grammar_queue or self.waiting or self.running)
+        # <<< ch19
 
     # ---- the loop
     def run(self,
@@ -165,13 +186,69 @@ class Scheduler(OutputProcessorMixin):
 
     def goes_on(self, last: StepOutput | None) -> bool:
         """Whether the run goes on: a request is queued or running, or the overlap loop's step is still in
-        flight. From chapter 20, with several ranks, every rank gives the same answer (shared_busy)."""
+        flight. From chapter 19 the compiles done since are announced first; from chapter 20, with several
+        ranks, every rank gives the same answer (shared_busy)."""
+        # >>> ch19: the grammars compiled since, announced in the inbox (which the ranks share, chapter 20)
+        self.announce_grammars()
+        # <<< ch19
         # >>> ch20: with several ranks
         if self.share is not None:
             return self.shared_busy(last)
         # <<< ch20
         return self.busy or last is not None
     # <<< ch06
+    # >>> ch19: grammars compile in a thread of their own
+
+    def announce_grammars(self) -> None:
+        """SGLang's move_ready_grammar_requests, its first half: each request submitted here whose grammar's
+        compile is done (or failed) goes into the inbox, ("grammar", uid), after its add. A poll: it never
+        waits for a compile, but for a moment (GRAMMAR_POLL_S) when nothing else could run. The receive step
+        moves the request (grammar_done): with several ranks after the inbox is shared, so that every rank
+        moves it at the same step, rank 0's compile deciding when (chapter 20)."""
+        if self.compiling and self.idle():
+            futures.wait([r.grammar.compiled for r in self.compiling], GRAMMAR_POLL_S, futures.FIRST_COMPLETED)
+        ready = [r for r in self.compiling if r.grammar.ready()]
+        self.compiling = [r for r in self.compiling if r not in ready]
+        self.inbox.extend(("grammar", r.uid) for r in ready)
+
+    def idle(self) -> bool:
+        """Nothing is received, queued, running or in flight, but for requests whose grammar compiles."""
+        return not (self.inbox or self.waiting or self.running or self.in_flight)
+
+    def receive_grammars(self) -> list[Reply]:
+        """The inbox's part that is the grammar queue's, in order: each request with a grammar joins the queue,
+        each ("grammar", uid) moves its request on (grammar_done). The rest stays in the inbox for receive."""
+        replies, rest = [], deque()
+        for kind, item in self.inbox:
+            if kind == "add" and item.grammar is not None:
+                self.grammar_queue.append(item)
+            elif kind == "grammar":
+                replies += self.grammar_done(item)
+            else:
+                rest.append((kind, item))
+        self.inbox = rest
+        return replies
+
+    def grammar_done(self, uid: int) -> list[Reply]:
+        """SGLang's move_ready_grammar_requests, its second half: the request whose grammar is compiled leaves
+        the grammar queue for the waiting ones, with its matcher (on a following rank once its own compile
+        is done too: this waits for it), in its place: before those that arrived after it (a higher uid).
+        One whose grammar did not compile fails alone, naming its field. A request aborted meanwhile has
+        left the queue: nothing to do."""
+        req = next((r for r in self.grammar_queue if r.uid == uid), None)
+        if req is None:
+            return []
+        self.grammar_queue.remove(req)
+        self.trace.record("grammar", self.step, [uid])
+        try:
+            req.grammar.start()
+        except ValueError as err:
+            req.finish_reason, req.error = "error", str(err)
+            return [Reply(uid, [], True, "error", req.error)]
+        place = next((i for i, r in enumerate(self.waiting) if r.uid > uid), len(self.waiting))
+        self.waiting.insert(place, req)
+        return []
+    # <<< ch19
     # >>> ch20: one scheduler per rank
 
     def shared_busy(self, last: StepOutput | None) -> bool:
@@ -204,7 +281,7 @@ class Scheduler(OutputProcessorMixin):
         length in the cache and its tokens so far (how many, and the last). Ranks that sampled apart, or
         decided apart, differ here before their next batch is built; the exchange compares it
         (minioverlap/ranks.py). Nothing at all: 0."""
-        return checksum(inbox, [*self.waiting, *self.running])
+        return checksum(inbox, [*self.grammar_queue, *self.waiting, *self.running])
     # <<< ch20
 
     def normal_loop(self) -> list[Reply]:
@@ -252,6 +329,9 @@ class Scheduler(OutputProcessorMixin):
 
     def receive(self) -> list[Reply]:
         replies = []
+        # >>> ch19: first the grammar queue's part of the inbox
+        replies += self.receive_grammars()
+        # <<< ch19
         while self.inbox:
             kind, item = self.inbox.popleft()
             if kind == "add":
@@ -360,7 +440,11 @@ class Scheduler(OutputProcessorMixin):
 
     # ---- abort, frees
     def find(self, uid: int) -> Req | None:
-        return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
+        """The request of that uid that is queued or running; None if it has finished or never came."""
+        # >>> ch19 replaces ch04: in the grammar queue too
+        #| return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
+        return next((r for r in [*self.grammar_queue, *self.waiting, *self.running] if r.uid == uid), None)
+        # <<< ch19
 
     # >>> ch07: a request that failed alone
 
@@ -379,6 +463,12 @@ class Scheduler(OutputProcessorMixin):
         if req in self.waiting:
             self.waiting.remove(req)
             return Reply(req.uid, [], True, "abort")
+        # >>> ch19: or in the grammar queue, holding nothing either; its compile no longer watched
+        if req in self.grammar_queue:
+            self.grammar_queue.remove(req)
+            self.compiling = [r for r in self.compiling if r is not req]
+            return Reply(req.uid, [], True, "abort")
+        # <<< ch19
         # >>> ch07 fix abort-in-flight replaces ch04: a step in flight may hold it: free it as a finish is freed
         #| self.running.remove(req)
         #| self.runner.release(req)
@@ -430,6 +520,11 @@ class Scheduler(OutputProcessorMixin):
         self.receive()
         for req in [*self.waiting, *self.running]:
             self.abort_now(req)
+        # >>> ch19: and those whose grammar compiles
+        for req in list(self.grammar_queue):
+            self.abort_now(req)
+        self.compiling.clear()
+        # <<< ch19
         # >>> ch07: a step in flight is handled: its aborted requests' results are dropped (stale-reply)
         for out in list(self.in_flight):
             self.wait(out)
@@ -451,11 +546,12 @@ class Scheduler(OutputProcessorMixin):
 
 
 def checksum(inbox: list, reqs: list[Req]) -> int:
-    """crc32 of the inbox's uids (each add's and abort's) and of each request's uid, length in the cache,
-    token count and last token; 0 for nothing at all."""
+    """crc32 of the inbox's uids (each add's, abort's and compiled grammar's) and of each request's uid,
+    length in the cache, token count and last token; 0 for nothing at all."""
     state = array("q")
     for kind, item in inbox:
-        state.extend((1, item.uid) if kind == "add" else (2, item) if kind == "abort" else ())
+        code = {"add": 1, "abort": 2, "grammar": 3}.get(kind)
+        state.extend(() if code is None else (code, item.uid if kind == "add" else item))
     for r in reqs:
         state.extend((r.uid, r.seq_len, len(r.output_ids), r.output_ids[-1] if r.output_ids else -1))
     return zlib.crc32(state.tobytes())

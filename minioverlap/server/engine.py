@@ -112,10 +112,10 @@ class EngineLoop:
         except ValueError as err:
             self.outbox.send(Rejected(msg.rid, str(err)))
             return
-        # >>> ch19: its grammar's matcher, compiled here against the vocabulary
+        # >>> ch19: its grammar, compiled in the backend's thread: the request waits in the grammar queue, not this loop
         try:
             req.grammar = self.llm.processor.grammar(req.params)
-        except (ValueError, RuntimeError) as err:      # RuntimeError: xgrammar's (the HTTP side compiled it)
+        except ValueError as err:                      # a model without a tokenizer
             self.outbox.send(Rejected(msg.rid, str(err), req.params.grammar_kind))
             return
         # <<< ch19
