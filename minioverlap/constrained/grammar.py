@@ -8,11 +8,11 @@ which tokens may come next. Three pieces:
     GrammarBackend   one per engine: the vocabulary as xgrammar reads it (its TokenizerInfo, built once)
                      and a GrammarCompiler, run in a thread of its own (the scheduler never waits for a
                      compile), with a future per grammar (the same schema compiles once)
-    Grammar          one per request: its compile's future, then, once the request is admitted (start), a
-                     GrammarMatcher over its compiled grammar. It fills the request's
-                     row of a token bitmask (or a verify window's rows, walking along the drafts and
-                     back), accepts each token the request takes, and says when it has terminated (it
-                     took a stop token where the grammar may end)
+    Grammar          one per request: its compile's future, then, once the compile is done and the
+                     scheduler moves the request from its grammar queue (start), a GrammarMatcher over
+                     the compiled grammar. It fills the request's row of a token bitmask (or a verify
+                     window's rows, walking along the drafts and back), accepts each token the request
+                     takes, and says when it has terminated (it took a stop token where the grammar may end)
     token_bitmask    a step's mask on the host: a row per request, ceil(vocab / 32) int32 words, bit t of
                      a row set if token t is allowed; a free request's row is all ones. `masked` makes a
                      copy of the logits with each forbidden token's logit -inf, on the logits' device
