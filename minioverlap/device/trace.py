@@ -7,8 +7,9 @@ handled: tokens appended, stop rules, frees) and `reply` (the handled tokens wen
 A server's loop (chapter 16) also records `receive`: requests that arrived while the last step ran.
 From chapter 19 the overlap loop records `mask`: a constrained step's masks filled and its sample
 queued, once the step before it has been handled; and both loops `grammar`: requests whose grammar has
-compiled leave the grammar queue (the step is the last one scheduled). From chapter 20, with several ranks, every rank records
-`share` before each iteration: its inbox became rank 0's (the requests that arrived with it).
+compiled leave the grammar queue (the step is the last one scheduled). From chapter 20, with several
+ranks, every rank records `share` before each iteration: its inbox became rank 0's (the requests that
+arrived with it).
 """
 
 from __future__ import annotations
