@@ -137,11 +137,11 @@ class EngineLoop:
 def tokens(reply: Reply) -> Tokens:
     """A reply as the pipe carries it (from chapter 17 with the prompt tokens its request found in the
     prefix cache)."""
-    return Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply),
-                  # >>> ch17: the prefix cache
-                  reply.cached_tokens,
-                  # <<< ch17
-                  )
+    message = Tokens(reply.uid, reply.token_ids, reply.finished, reply.finish_reason, reply.error, logprobs(reply))
+    # >>> ch17: the prefix cache
+    message.cached_tokens = reply.cached_tokens
+    # <<< ch17
+    return message
 
 
 def logprobs(reply: Reply) -> list[tuple[float, list[tuple[int, float]]]] | None:
