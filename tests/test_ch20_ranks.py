@@ -310,6 +310,8 @@ def test_an_idle_server_over_two_ranks_serves_after_the_deadline_and_reports_a_d
         time.sleep(IDLE_S)
         again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60.0).json()["choices"][0]["text"]
         assert again == first
+        server.wait_idle()
+        time.sleep(1.0)           # the run that served it ends with one more agreement, a collective, after its reply
         [rank_1] = rank_processes(server.process.pid)
         os.kill(rank_1, signal.SIGKILL)
         deadline = time.monotonic() + 15.0

@@ -216,7 +216,7 @@ def dp_data() -> dict:
             finally:
                 inside.pop()
             log.append(dict(exchange="replies", values=[[dict(uid=reply.uid, tokens=list(reply.token_ids),
-                                                              finished=reply.finished) for reply, _ in part]
+                                                              finished=reply.finished) for reply in part]
                                                         for part in out]))
             return out
         sched.share, group.all_gather_ints, group.all_gather_object = shared, ints, objects
