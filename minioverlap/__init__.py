@@ -7,7 +7,7 @@ from minioverlap.llm import LLM, RequestOutput
 from minioverlap.model.loader import CheckpointError
 from minioverlap.sampling_params import SamplingParams
 # >>> ch04: the scheduler's own check
-from minioverlap.scheduler.scheduler import IntegrityError
+from minioverlap.scheduler.checks import IntegrityError
 # <<< ch04
 # >>> ch08: the hazard checker
 from minioverlap.device.hazard import HazardError

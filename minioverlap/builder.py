@@ -43,6 +43,7 @@ from minioverlap.speculative.ngram import NgramRunner
 # >>> ch20: several devices
 from minioverlap.parallel.group import TPGroup
 from minioverlap.parallel.dp_scheduler import DPScheduler
+from minioverlap.parallel.rank_scheduler import RankScheduler
 from minioverlap.parallel.loader import load_dp_model, load_tp_model
 from minioverlap.parallel.mtp import load_tp_mtp
 # <<< ch20
@@ -93,11 +94,14 @@ class Engine:
 
     def make_scheduler(self) -> Scheduler:
         """The scheduler over the runner; from chapter 18 with the step's budget of prompt tokens; from
-        chapter 20, under DP attention, a DPScheduler, which agrees each step with the other ranks'."""
-        # >>> ch20 replaces ch04: under DP attention, a scheduler that agrees each step with the other ranks'
+        chapter 20, with several ranks, a RankScheduler, which shares its inbox with the other ranks', and
+        under DP attention a DPScheduler, which also agrees each step with theirs."""
+        # >>> ch20 replaces ch04: with several ranks, a scheduler that agrees with the other ranks'
         #| scheduler = Scheduler(self.runner)
-        agrees_each_step = self.args.dp_attention
-        scheduler = DPScheduler(self.runner, self.group) if agrees_each_step else Scheduler(self.runner)
+        if self.args.dp_attention:
+            scheduler = DPScheduler(self.runner, self.group)
+        else:
+            scheduler = RankScheduler(self.runner) if self.group.tp_size > 1 else Scheduler(self.runner)
         # <<< ch20
         # >>> ch18: the step's budget of prompt tokens, and mixed steps
         scheduler.chunked_prefill_size = chunk_size(self.args)

@@ -5,7 +5,7 @@
 GPU) that builds the same engine (builder.py's Engine) over its shard of the weights and runs `follow`: the scheduler's loop,
 run after run, for ever. Every rank schedules for itself, as SGLang's and mini-sglang's schedulers do;
 they agree because they start equal and, before every iteration, each takes rank 0's inbox (what rank 0's
-callers sent: requests and aborts), over the CPU group (Scheduler.shared_busy). The same inbox, the same
+callers sent: requests and aborts), over the CPU group (RankScheduler.shared_busy). The same inbox, the same
 state, the same deterministic decisions: the same batch on every rank, whose all-reduces then line up.
 After each exchange the ranks compare fingerprints of what they hold (`parted`): ranks that have parted
 end the engine there, before their batches' collectives could pair wrongly.
@@ -14,7 +14,7 @@ Only rank 0 has callers, and only rank 0's replies go anywhere.
 A request crosses as it is, but for what a process cannot pickle or need not carry: its grammar and its
 stop-string decoder, which each rank makes again from the request's params (`shared`, `received`): each
 rank compiles the grammar in its own thread, and the request joins the waiting ones when rank 0's compile
-is done, announced in the inbox the ranks share (Scheduler.announce_grammars), at the same step on every
+is done, announced in the inbox the ranks share (GrammarManager.announce), at the same step on every
 rank.
 
 Stopping. `Ranks.shutdown` sends the ranks a stop through the same channel, waits for them, and kills
@@ -225,7 +225,7 @@ class RankEngine(Engine):
 
 def parted(group: TPGroup, fingerprint: int, inbox: list) -> str | None:
     """Whether the ranks' schedulers have parted, asked after every exchange of the inbox: each rank's
-    fingerprint of the inbox it takes and of its queued and running requests (Scheduler.fingerprint)
+    fingerprint of the inbox it takes and of its queued and running requests (RankScheduler.fingerprint)
     goes to every rank, in one all-gather of one integer per rank. That collective pairs whatever the
     ranks hold; the next batch's would not (gloo, given tensors of unlike sizes, aborts the process that
     receives the larger). So every rank learns here, before any collective of the next step, that one

@@ -1,12 +1,12 @@
 # >>> ch20 file: the judge's own test of exercise 20.2
 """Exercise 20.2, judged in one process: the agreement before every iteration, on a following rank.
 
-With several ranks, Scheduler.goes_on asks shared_busy, and every rank's scheduler must answer alike: first
-its inbox becomes rank 0's (scheduler.share, the broadcast over the CPU group; rank 1 and on ignore their
-own), then the answer follows from state that is the same everywhere. Here one engine's scheduler plays a
-following rank, and its `share` is a fake that plays rank 0: it returns a prepared inbox (requests made by
-the engine, aborts, and the three messages rank 0 sends between runs: abandon, stop, traces) and records
-what the rank offered. No process starts.
+With several ranks, RankScheduler.goes_on asks shared_busy, and every rank's scheduler must answer alike:
+first its inbox becomes rank 0's (scheduler.share, the broadcast over the CPU group; rank 1 and on ignore
+their own), then the answer follows from state that is the same everywhere. Here a RankScheduler over one
+engine's runner plays a following rank, and its `share` is a fake that plays rank 0: it returns a prepared
+inbox (requests made by the engine, aborts, and the three messages rank 0 sends between runs: abandon,
+stop, traces) and records what the rank offered. No process starts.
 
     python practice/judge.py test 20.2
 """
@@ -18,6 +18,7 @@ from collections import deque
 import pytest
 
 from minioverlap import LLM, SamplingParams
+from minioverlap.parallel.rank_scheduler import RankScheduler
 
 PROMPTS = ["def fibonacci(n):", [5, 6, 7], "import os\n" * 3]
 
@@ -39,6 +40,9 @@ class Rank0:
 @pytest.fixture
 def llm():
     llm = LLM(overlap=False, max_running=2)
+    one = llm.scheduler
+    llm.scheduler = RankScheduler(llm.runner)
+    llm.scheduler.chunked_prefill_size, llm.scheduler.mixed_chunk = one.chunked_prefill_size, one.mixed_chunk
     llm.scheduler.following = True
     llm.scheduler.sent = 0
 

@@ -12,7 +12,7 @@ import pytest
 import minioverlap
 from conftest import GREEDY, PROBE, assert_as_fresh, probe_tokens
 from minioverlap import LLM, SamplingParams
-from minioverlap.scheduler.scheduler import IntegrityError
+from minioverlap.scheduler.checks import IntegrityError
 
 STREAMED = ["def fibonacci(n):", "class Stack:"]
 

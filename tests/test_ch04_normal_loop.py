@@ -11,7 +11,7 @@ import pytest
 
 from conftest import CODE_PROMPTS, no_hang, normal_loop, random_checkpoint, run_example
 from minioverlap import LLM, SamplingParams
-from minioverlap.scheduler.scheduler import IntegrityError
+from minioverlap.scheduler.checks import IntegrityError
 
 GREEDY = SamplingParams(max_tokens=12)
 NORMAL = normal_loop()          # these tests pin the normal loop (overlap=False where the stage's LLM takes it)

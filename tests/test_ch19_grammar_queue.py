@@ -115,7 +115,7 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(overlap, monkey
     assert failed.error == "json_schema did not compile against the vocabulary: the vocabulary says no"
     assert [t for r in replies if r.uid == failed.uid + 1 for t in r.token_ids] == alone[1]
     llm.check_integrity()
-    assert not (llm.scheduler.grammar_queue or llm.scheduler.compiling or llm.scheduler.busy)
+    assert not (llm.scheduler.grammars.queue or llm.scheduler.grammars.compiling or llm.scheduler.busy)
     fail[0] = False
     llm.processor.grammars.futures.clear()          # the failed compile is kept: forget it, to compile again
     assert [o.token_ids for o in llm.generate(PROMPTS, [GRAMMAR, PLAIN])] == alone

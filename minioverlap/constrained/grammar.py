@@ -19,7 +19,7 @@ which tokens may come next. Three pieces:
 
 The mask of a request depends on every token it has taken, so it is filled on the host once the step
 before has been handled: in the normal loop when the step is launched; in the overlap loop, where the
-next step is launched first, its sample is put off until then (Scheduler.launch_step).
+next step is launched first, its sample is put off until then (GrammarManager.puts_off).
 
 JSON schemas compile to the compact form, one line with json.dumps's separators (", ", ": "), and no
 whitespace elsewhere: a grammar that allowed any whitespace would let a small model's greedy output

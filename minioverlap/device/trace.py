@@ -4,12 +4,19 @@
 For each step N both loops record, each as its phase ends: `schedule` (the batch is chosen), `launch`
 (its work is queued), `wait` (the step's result has reached the host), `process` (the result is
 handled: tokens appended, stop rules, frees) and `reply` (the handled tokens went to the clients).
-A server's loop (chapter 16) also records `receive`: requests that arrived while the last step ran.
-From chapter 19 the overlap loop records `mask`: a constrained step's masks filled and its sample
-queued, once the step before it has been handled; and both loops `grammar`: requests whose grammar has
-compiled leave the grammar queue (the step is the last one scheduled). From chapter 20, with several
-ranks, every rank records `share` before each iteration: its inbox became rank 0's (the requests that
-arrived with it).
+Each mechanism that the chapters add records its own events, where it happens:
+
+    receive   (16) requests that arrived while the last step ran (a server's loop)
+    hit       (17) requests whose prefill starts after a prefix found in the cache
+    chunk     (18) requests whose rows in the step are a chunk of their prompt (more of it follows)
+    mask      (19) a constrained step's masks filled and its sample queued, once the step before it
+              has been handled (the overlap loop)
+    grammar   (19) requests whose grammar has compiled leave the grammar queue (the step is the last
+              one scheduled)
+    share     (20) with several ranks, before each iteration: the inbox became rank 0's (the requests
+              that arrived with it)
+    agree     (20) under DP attention, every rank's token count for the step; `idle`: the empty batch
+              of a rank with nothing to run
 """
 
 from __future__ import annotations
@@ -17,31 +24,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-# >>> ch16 replaces ch04: a server's loop also records the requests that arrive while it runs
-#| KINDS = ("schedule", "launch", "wait", "process", "reply")
-# >>> ch17 replaces ch16: and the requests whose prefill starts after a cached prefix
-#| KINDS = ("receive", "schedule", "launch", "wait", "process", "reply")
-KINDS = ("receive", "hit", "schedule", "launch", "wait", "process", "reply")
-# <<< ch17
-# <<< ch16
-# >>> ch18: and the requests whose rows in a step are a chunk of their prompt (more of it follows)
-KINDS += ("chunk",)
-# <<< ch18
-# >>> ch19: and the step whose masks were filled and whose sample was queued after the step before was handled
-KINDS += ("mask",)
-# and the requests whose grammar is compiled (or failed to): they leave the grammar queue
-KINDS += ("grammar",)
-# <<< ch19
-# >>> ch20: and, with several ranks, each iteration's inbox taken from rank 0 (what it received)
-KINDS += ("share",)
-# and under DP attention the agreement on a step (every rank's token count) and the empty batch of an idle rank
-KINDS += ("agree", "idle")
-# <<< ch20
+KINDS = ("schedule", "launch", "wait", "process", "reply")   # every step's; the chapters add theirs (above)
 
 
 @dataclass(frozen=True)
 class TraceEvent:
-    kind: str                  # one of KINDS
+    kind: str                  # one of KINDS, or one a chapter adds (the module's docstring)
     step: int                  # N, counting from 1 in each run
     t_ns: int                  # host time.perf_counter_ns() when it happened
     uids: tuple[int, ...]      # the requests of the step's batch (of the replies, for `reply`)

@@ -7,7 +7,7 @@ table, its own relay, fence and hazard checker, and computes attention alone; on
 runs over every rank's tokens at once. So the ranks cannot simply decide alike: they must tell each other
 what they hold and what they are about to run. Each iteration has three exchanges, all over the CPU group:
 
-    before it       rank 0's inbox to every rank (as with tensor parallelism: Scheduler.shared_busy);
+    before it       rank 0's inbox to every rank (as with tensor parallelism: RankScheduler.shared_busy);
                     then every rank's [busy, load, handles first]: the run goes on while any rank has
                     work, each new request goes to the least loaded rank, decided alike on every rank
                     (`assign`), and if a drafter makes any rank handle its step in flight before it
@@ -35,11 +35,11 @@ from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
 from minioverlap.parallel.group import TPGroup
 from minioverlap.scheduler.output_processor import Reply
-from minioverlap.scheduler.scheduler import Scheduler, checksum
+from minioverlap.parallel.rank_scheduler import RankScheduler, checksum
 
-class DPScheduler(Scheduler):
+class DPScheduler(RankScheduler):
     """Scheduler for one rank of a DP-attention engine (LLM(tp_size=N, dp_attention=True)). Its loops are
-    Scheduler's; what differs is who holds which request, and the exchanges that keep the ranks' steps
+    RankScheduler's; what differs is who holds which request, and the exchanges that keep the ranks' steps
     paired."""
 
     def __init__(self, runner, group: TPGroup) -> None:
@@ -58,9 +58,9 @@ class DPScheduler(Scheduler):
         is busy (requests queued or running, a step in flight) or a request arrives; this rank keeps the new
         requests `assign` gives it (by load: requests queued and running); and if any rank must handle its
         step in flight before it builds the next (a drafter's, chapter 19), every rank does (overlap_loop)."""
-        here = bool(self.grammar_queue or self.waiting or self.running) or last is not None
+        here = bool(self.grammars.queue or self.waiting or self.running) or last is not None
         first = last is not None and self.runner.waits_for_host(self.running)
-        load = len(self.grammar_queue) + len(self.waiting) + len(self.running)
+        load = len(self.grammars.queue) + len(self.waiting) + len(self.running)
         ranks = self.group.all_gather_ints([int(here), load, int(first)])
         self.all_handle_first = any(first for _, _, first in ranks)
         arrived = self.keep_own([load for _, load, _ in ranks])

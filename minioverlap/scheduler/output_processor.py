@@ -71,7 +71,7 @@ class OutputProcessorMixin:
         self.trace.record("process", out.step, [r.uid for r in out.batch.reqs])
         self.trace.record("reply", out.step, [r.uid for r in replies])
         # >>> ch19: the step launched after this one, if it put its sample off for this one's tokens, samples now
-        self.sample_put_off()
+        self.grammars.sample_put_off()
         # <<< ch19
         return replies
 
@@ -164,3 +164,49 @@ class OutputProcessorMixin:
         reply.logprobs = logprobs[:len(reply.token_ids)]
         req.logprobs += reply.logprobs
     # <<< ch16
+
+    # ---- the frees: a finished or failed request leaves, and its slot and pages go back
+    # >>> ch07: a request that failed alone
+
+    def fail(self, req: Req) -> Reply:
+        """End a request whose step failed for it alone: freed as a finish is, its reply says why."""
+        req.finish_reason = "error"
+        self.free(req)
+        # >>> ch09 replaces ch07: its reply tells what its caller's output reports of it (describe)
+        #| return Reply(req.uid, [], True, "error", req.error)
+        return self.describe(req, Reply(req.uid, [], True, "error", req.error))
+        # <<< ch09
+    # <<< ch07
+
+    def free(self, req: Req) -> None:
+        """A finished request leaves the running ones, and its pages and request slot go back."""
+        # >>> ch07 fix stale-reply removes ch05: launched once more after it finished, it comes back (05-06): free it once
+        #| if req not in self.running:
+        #|     return
+        # <<< ch07
+        self.running.remove(req)
+        self.release(req)
+
+    def release(self, req: Req) -> None:
+        """Give its pages and request slot back (from chapter 07: once no launched step uses them)."""
+        # >>> ch07 fix slot-reuse replaces ch04: a launched step still writes its row and pages: keep them until it is handled
+        #| self.runner.release(req)
+        if self.must_defer():
+            self.deferred.append((self.in_flight[-1].step, req))
+        else:
+            self.runner.release(req)
+        # <<< ch07
+    # >>> ch07 fix slot-reuse: release what waited
+
+    def must_defer(self) -> bool:
+        """Whether a request leaving now must keep its slot and pages until the last launched step is handled."""
+        # >>> ch08 replaces ch07: only if asked: the fence and the prefill's own prompt write make release at once safe
+        #| return bool(self.in_flight)
+        return self.guards.defer_release and bool(self.in_flight)
+        # <<< ch08
+
+    def release_deferred(self, handled_step: int) -> None:
+        for step, req in [d for d in self.deferred if d[0] <= handled_step]:
+            self.deferred.remove((step, req))
+            self.runner.release(req)
+    # <<< ch07

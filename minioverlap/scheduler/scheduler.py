@@ -22,16 +22,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-# >>> ch20: the state every rank's scheduler holds alike, as a checksum
-import zlib
-from array import array
-# <<< ch20
 # >>> ch16: a server's requests arrive while the loop runs
 from collections.abc import Callable
 # <<< ch16
-# >>> ch19: grammars compile in a thread of their own
-from concurrent import futures
-# <<< ch19
 
 # >>> ch08: the guards
 from minioverlap.config import Guards
@@ -41,6 +34,10 @@ from minioverlap.engine.forward_batch import ForwardBatch
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
+from minioverlap.scheduler.checks import RuntimeCheckerMixin
+# >>> ch19: the requests whose grammar compiles
+from minioverlap.scheduler.grammar_manager import GrammarManager
+# <<< ch19
 from minioverlap.scheduler.output_processor import OutputProcessorMixin, Reply
 from minioverlap.scheduler.prefill_adder import PrefillAdder
 
@@ -48,19 +45,15 @@ from minioverlap.scheduler.prefill_adder import PrefillAdder
 # >>> ch16: a server's run lasts as long as its busy period, for ever under load: its trace keeps the last events
 TRACE_EVENTS = 100_000
 # <<< ch16
-# >>> ch19: an idle scheduler waits this long at most for a grammar's compile, then looks at its inbox again
-GRAMMAR_POLL_S = 0.005
-# <<< ch19
 
 
-class IntegrityError(RuntimeError):
-    """A page, KV slot or request slot that is lost, or owned twice."""
-
-
-class Scheduler(OutputProcessorMixin):
+class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
     def __init__(self, runner: ModelRunner) -> None:
-        """The queues of requests (waiting: not admitted yet; running: holding a slot and pages), the
-        steps launched but not handled yet (06), and the trace of the current run."""
+        """The inbox (what callers sent since the last iteration), the queues of requests (waiting: not
+        admitted yet; running: holding a slot and pages) and the trace of the current run. The chapters
+        add: the steps launched but not handled yet (06), the requests whose slot and pages wait for one
+        of them (07), the guards (08), the options the LLM sets (16, 18) and the requests whose grammar
+        compiles (19)."""
         self.runner, self.cache = runner, runner.cache     # the cache manager: a request's slot and pages
         self.inbox: deque[tuple[str, Req | int]] = deque()   # ("add", req) or ("abort", uid)
         self.waiting: deque[Req] = deque()
@@ -83,37 +76,21 @@ class Scheduler(OutputProcessorMixin):
         self.chunked_prefill_size: int | None = None
         self.mixed_chunk = False
         # <<< ch18
-        # >>> ch19: requests whose grammar compiles (SGLang's grammar_queue), and the compiles watched here
-        self.grammar_queue: list[Req] = []    # received; each joins the waiting ones once its grammar is compiled
-        self.compiling: list[Req] = []        # submitted here, their compile not yet announced (announce_grammars)
+        # >>> ch19: requests whose grammar compiles (SGLang's grammar_queue), and the compiles watched
+        self.grammars = GrammarManager(self)
         # <<< ch19
-        # >>> ch20: the ranks: every rank's inbox becomes rank 0's before each iteration (None: one rank)
-        self.share: Callable[[list], list] | None = None
-        self.following = False                  # a rank other than 0: it runs until rank 0 says stop
-        self.stopped = False
-        self.send_trace: Callable[[], None] | None = None     # a following rank's: its last run's trace to rank 0
-        # <<< ch20
 
     # ---- the client's side: messages into the inbox
-    def check_fits_pool(self, req: Req) -> None:
-        """Refuse a request that could never fit the page pool, even alone."""
-        pages, pool = self.runner.pages_needed(req), self.runner.usable_pages
-        if pages > pool:
-            raise ValueError(f"{self.runner.need(req)} need {pages} pages; the pool has {pool}")
-
     def submit(self, reqs: list[Req]) -> None:
         """Queue a run's requests for its first receive."""
-        self.inbox.extend(("add", req) for req in reqs)
-        # >>> ch19: their grammars' compiles, watched until they are done
-        self.compiling += [req for req in reqs if req.grammar is not None]
-        # <<< ch19
+        for req in reqs:
+            self.add_request(req)
 
     def add_request(self, req: Req) -> None:
         """Queue a request for the next receive (a run in progress)."""
         self.inbox.append(("add", req))
         # >>> ch19: its grammar's compile, watched until it is done
-        if req.grammar is not None:
-            self.compiling.append(req)
+        self.grammars.watch(req)
         # <<< ch19
 
     def abort(self, uid: int) -> None:
@@ -124,7 +101,7 @@ class Scheduler(OutputProcessorMixin):
         """Whether a request is queued or running."""
         # >>> ch19 replaces ch04: the grammar queue too
         #| return bool(self.inbox or self.waiting or self.running)
-        return bool(self.inbox or self.grammar_queue or self.waiting or self.running)
+        return bool(self.inbox or self.grammars or self.waiting or self.running)
         # <<< ch19
 
     # ---- the loop
@@ -186,103 +163,19 @@ class Scheduler(OutputProcessorMixin):
 
     def goes_on(self, last: StepOutput | None) -> bool:
         """Whether the run goes on: a request is queued or running, or the overlap loop's step is still in
-        flight. From chapter 19 the compiles done since are announced first; from chapter 20, with several
-        ranks, every rank gives the same answer (shared_busy)."""
+        flight. From chapter 19 the compiles done since are announced first. (From chapter 20, with several
+        ranks, every rank gives the same answer: RankScheduler.goes_on.)"""
         # >>> ch19: the grammars compiled since, announced in the inbox (which the ranks share, chapter 20)
-        self.announce_grammars()
+        self.grammars.announce()
         # <<< ch19
-        # >>> ch20: with several ranks
-        if self.share is not None:
-            return self.shared_busy(last)
-        # <<< ch20
         return self.busy or last is not None
     # <<< ch06
-    # >>> ch19: grammars compile in a thread of their own
-
-    def announce_grammars(self) -> None:
-        """SGLang's move_ready_grammar_requests, its first half: each request submitted here whose grammar's
-        compile is done (or failed) goes into the inbox, ("grammar", uid), after its add. A poll: it never
-        waits for a compile, but for a moment (GRAMMAR_POLL_S) when nothing else could run. The receive step
-        moves the request (grammar_done): with several ranks after the inbox is shared, so that every rank
-        moves it at the same step, rank 0's compile deciding when (chapter 20)."""
-        if self.compiling and self.idle():
-            futures.wait([r.grammar.compiled for r in self.compiling], GRAMMAR_POLL_S, futures.FIRST_COMPLETED)
-        ready = [r for r in self.compiling if r.grammar.ready()]
-        self.compiling = [r for r in self.compiling if r not in ready]
-        self.inbox.extend(("grammar", r.uid) for r in ready)
+    # >>> ch19: a scheduler waits a moment for a grammar's compile only when nothing else could run
 
     def idle(self) -> bool:
         """Nothing is received, queued, running or in flight, but for requests whose grammar compiles."""
         return not (self.inbox or self.waiting or self.running or self.in_flight)
-
-    def receive_grammars(self) -> list[Reply]:
-        """The inbox's part that is the grammar queue's, in order: each request with a grammar joins the queue,
-        each ("grammar", uid) moves its request on (grammar_done). The rest stays in the inbox for receive."""
-        replies, rest = [], deque()
-        for kind, item in self.inbox:
-            if kind == "add" and item.grammar is not None:
-                self.grammar_queue.append(item)
-            elif kind == "grammar":
-                replies += self.grammar_done(item)
-            else:
-                rest.append((kind, item))
-        self.inbox = rest
-        return replies
-
-    def grammar_done(self, uid: int) -> list[Reply]:
-        """SGLang's move_ready_grammar_requests, its second half: the request whose grammar is compiled leaves
-        the grammar queue for the waiting ones, with its matcher (on a following rank once its own compile
-        is done too: this waits for it), in its place: before those that arrived after it (a higher uid).
-        One whose grammar did not compile fails alone, naming its field. A request aborted meanwhile has
-        left the queue: nothing to do."""
-        req = next((r for r in self.grammar_queue if r.uid == uid), None)
-        if req is None:
-            return []
-        self.grammar_queue.remove(req)
-        self.trace.record("grammar", self.step, [uid])
-        try:
-            req.grammar.start()
-        except ValueError as err:
-            req.finish_reason, req.error = "error", str(err)
-            return [Reply(uid, [], True, "error", req.error)]
-        place = next((i for i, r in enumerate(self.waiting) if r.uid > uid), len(self.waiting))
-        self.waiting.insert(place, req)
-        return []
     # <<< ch19
-    # >>> ch20: one scheduler per rank
-
-    def shared_busy(self, last: StepOutput | None) -> bool:
-        """Whether the run goes on, the same answer on every rank. First every rank's inbox becomes rank 0's
-        (what rank 0's callers sent since the last iteration: requests, aborts), over the CPU group; then
-        every rank holds the same requests in the same state and answers alike (busy_anywhere). A following
-        rank told to abandon (rank 0's caller left) abandons here too; one told to stop, stops."""
-        # >>> exercise 20.2: the agreement before every iteration
-        self.inbox = deque(self.share(list(self.inbox)))
-        if self.following and ("abandon", None) in self.inbox:
-            self.abandon()
-            return False
-        if self.following and ("traces", None) in self.inbox:
-            self.send_trace()
-            return False
-        self.stopped = ("stop", None) in self.inbox
-        self.trace.record("share", self.step + 1, [r.uid for kind, r in self.inbox if kind == "add"])
-        return not self.stopped and self.busy_anywhere(last)
-        # <<< exercise 20.2
-
-    def busy_anywhere(self, last: StepOutput | None) -> bool:
-        """Whether any rank has a request queued or running, or a step in flight. Every rank holds the same
-        requests in the same state: this rank's answer is every rank's. (With DP attention each rank holds
-        its own, and the ranks ask each other: parallel/dp_scheduler.py.)"""
-        return self.busy or last is not None
-
-    def fingerprint(self, inbox: list) -> int:
-        """A checksum of what every rank's scheduler must hold alike as an iteration starts: the inbox it is
-        about to take (each request's and abort's uid), and each queued and running request's uid, its
-        length in the cache and its tokens so far (how many, and the last). Ranks that sampled apart, or
-        decided apart, differ here before their next batch is built; the exchange compares it
-        (minioverlap/ranks.py). Nothing at all: 0."""
-        return checksum(inbox, [*self.grammar_queue, *self.waiting, *self.running])
-    # <<< ch20
 
     def normal_loop(self) -> list[Reply]:
         """One iteration: receive, schedule, launch, wait, process."""
@@ -330,7 +223,7 @@ class Scheduler(OutputProcessorMixin):
     def receive(self) -> list[Reply]:
         replies = []
         # >>> ch19: first the grammar queue's part of the inbox
-        replies += self.receive_grammars()
+        replies += self.grammars.receive()
         # <<< ch19
         while self.inbox:
             kind, item = self.inbox.popleft()
@@ -375,24 +268,14 @@ class Scheduler(OutputProcessorMixin):
         self.trace.record("schedule", self.step, [r.uid for r in reqs])
         return batch
 
-    def check_stalled(self) -> None:
-        """Nothing could be scheduled. If nothing is running either (and, from chapter 06, no step is in
-        flight whose handling frees a slot), the waiting requests would wait forever: say so instead."""
-        # >>> ch06 replaces ch04: a step in flight will be handled, and may free what they wait for
-        #| stalled = self.waiting and not self.running
-        stalled = self.waiting and not self.running and not self.in_flight
-        # <<< ch06
-        if stalled:
-            raise RuntimeError(f"the scheduler is stalled: {len(self.waiting)} requests wait, none runs, and "
-                               f"{self.runner.free_rows} request slots and {self.runner.free_pages} pages are free")
-
     def launch(self, batch: ForwardBatch) -> StepOutput:
         """Have the runner launch the step. From chapter 06 it stays in flight until it is handled; from
         chapter 08 what the scheduler queues next waits, on the device, for the step's shared reads; from
         chapter 19 a constrained step may launch its forward alone."""
-        # >>> ch19 replaces ch04: or its forward alone (launch_step)
+        # >>> ch19 replaces ch04: or its forward alone, its sample put off (GrammarManager.puts_off)
         #| out = self.runner.launch(batch, self.step)
-        out = self.launch_step(batch)
+        launch = self.runner.launch_forward if self.grammars.puts_off(batch) else self.runner.launch
+        out = launch(batch, self.step)
         # <<< ch19
         # >>> ch06: in flight until it is handled
         self.in_flight.append(out)
@@ -410,63 +293,25 @@ class Scheduler(OutputProcessorMixin):
         self.trace.record("launch", self.step, [r.uid for r in batch.reqs])
         return out
 
-    # >>> ch19: the sample a constrained step put off
-
-    def launch_step(self, batch: ForwardBatch) -> StepOutput:
-        """The runner launches the step; if the step in flight gives a constrained request of it a token, its
-        forward alone (with MTP, its passes up to the verify's): that request's mask needs the token, so the
-        step's sample (or accept) waits until that step is handled (sample_put_off). A request new to the
-        batch, or whose step in flight is a chunk of its prompt, takes no token before this step: its mask
-        is ready."""
-        given = {r for out in self.in_flight for r in out.batch.reqs if r not in out.batch.chunked}
-        if any(r.grammar is not None and r in given for r in batch.reqs):
-            return self.runner.launch_forward(batch, self.step)
-        return self.runner.launch(batch, self.step)
-
-    def sample_put_off(self) -> None:
-        """The step launched after the one just handled, if it put its sample off: its requests' grammars
-        have taken every token they will get before it, so its masks can be filled: its sample is queued
-        now (`mask`). SGLang's overlap loop does the same: launch_batch_sample_if_needed, after
-        process_batch_result, runs the delay_sample_func of a batch with a grammar."""
-        for out in self.in_flight:
-            if out.sample_later is not None:
-                self.runner.sample_later(out)
-                self.trace.record("mask", out.step, [r.uid for r in out.batch.reqs])
-    # <<< ch19
-
     def wait(self, out: StepOutput) -> None:
         self.runner.wait(out)
         self.trace.record("wait", out.step, [r.uid for r in out.batch.reqs])
 
-    # ---- abort, frees
+    # ---- abort (the frees: output_processor.py)
     def find(self, uid: int) -> Req | None:
         """The request of that uid that is queued or running; None if it has finished or never came."""
         # >>> ch19 replaces ch04: in the grammar queue too
         #| return next((r for r in [*self.waiting, *self.running] if r.uid == uid), None)
-        return next((r for r in [*self.grammar_queue, *self.waiting, *self.running] if r.uid == uid), None)
+        return next((r for r in [*self.grammars.queue, *self.waiting, *self.running] if r.uid == uid), None)
         # <<< ch19
-
-    # >>> ch07: a request that failed alone
-
-    def fail(self, req: Req) -> Reply:
-        """End a request whose step failed for it alone: freed as a finish is, its reply says why."""
-        req.finish_reason = "error"
-        self.free(req)
-        # >>> ch09 replaces ch07: its reply tells what its caller's output reports of it (describe)
-        #| return Reply(req.uid, [], True, "error", req.error)
-        return self.describe(req, Reply(req.uid, [], True, "error", req.error))
-        # <<< ch09
-    # <<< ch07
 
     def abort_now(self, req: Req) -> Reply:
         req.finish_reason = "abort"
         if req in self.waiting:
             self.waiting.remove(req)
             return Reply(req.uid, [], True, "abort")
-        # >>> ch19: or in the grammar queue, holding nothing either; its compile no longer watched
-        if req in self.grammar_queue:
-            self.grammar_queue.remove(req)
-            self.compiling = [r for r in self.compiling if r is not req]
+        # >>> ch19: or in the grammar queue, holding nothing either
+        if self.grammars.drop(req):
             return Reply(req.uid, [], True, "abort")
         # <<< ch19
         # >>> ch07 fix abort-in-flight replaces ch04: a step in flight may hold it: free it as a finish is freed
@@ -476,54 +321,16 @@ class Scheduler(OutputProcessorMixin):
         # <<< ch07
         return Reply(req.uid, [], True, "abort")
 
-    def free(self, req: Req) -> None:
-        """A finished request leaves the running ones, and its pages and request slot go back."""
-        # >>> ch07 fix stale-reply removes ch05: launched once more after it finished, it comes back (05-06): free it once
-        #| if req not in self.running:
-        #|     return
-        # <<< ch07
-        self.running.remove(req)
-        self.release(req)
-
-    def release(self, req: Req) -> None:
-        """Give its pages and request slot back (from chapter 07: once no launched step uses them)."""
-        # >>> ch07 fix slot-reuse replaces ch04: a launched step still writes its row and pages: keep them until it is handled
-        #| self.runner.release(req)
-        if self.must_defer():
-            self.deferred.append((self.in_flight[-1].step, req))
-        else:
-            self.runner.release(req)
-        # <<< ch07
-    # >>> ch07 fix slot-reuse: release what waited
-
-    def must_defer(self) -> bool:
-        """Whether a request leaving now must keep its slot and pages until the last launched step is handled."""
-        # >>> ch08 replaces ch07: only if asked: the fence and the prefill's own prompt write make release at once safe
-        #| return bool(self.in_flight)
-        return self.guards.defer_release and bool(self.in_flight)
-        # <<< ch08
-
-    def release_deferred(self, handled_step: int) -> None:
-        for step, req in [d for d in self.deferred if d[0] <= handled_step]:
-            self.deferred.remove((step, req))
-            self.runner.release(req)
-    # <<< ch07
-
     def abandon(self) -> None:
         """The run's caller left, or a step failed: abort every request and handle the steps still in
-        flight (07), dropping all replies. Nothing stays queued, running or held. From chapter 20 rank 0
-        tells the other ranks to do the same, in the inbox they are waiting for."""
-        # >>> ch20: the other ranks abandon the run with rank 0
-        if self.share is not None and not self.following:
-            self.inbox = deque(self.share([*self.inbox, ("abandon", None)]))
-        # <<< ch20
+        flight (07), dropping all replies. Nothing stays queued, running or held. (From chapter 20 rank 0
+        tells the other ranks to do the same: RankScheduler.abandon.)"""
         self.receive()
         for req in [*self.waiting, *self.running]:
             self.abort_now(req)
         # >>> ch19: and those whose grammar compiles
-        for req in list(self.grammar_queue):
+        for req in list(self.grammars.queue):
             self.abort_now(req)
-        self.compiling.clear()
         # <<< ch19
         # >>> ch07: a step in flight is handled: its aborted requests' results are dropped (stale-reply)
         for out in list(self.in_flight):
@@ -531,28 +338,3 @@ class Scheduler(OutputProcessorMixin):
             self.process(out)
         # <<< ch07
 
-    def check_integrity(self) -> None:
-        """Every page and request slot is free or owned by exactly one running request, and each
-        running request's req_to_token row points at its own pages."""
-        owners = list(self.running)
-        # >>> ch07 fix slot-reuse: deferred requests still own theirs
-        owners += [req for _, req in self.deferred]
-        # <<< ch07
-        problems = self.cache.integrity_problems(owners)
-        problems += [f"waiting request {r.uid} holds a slot or pages" for r in self.waiting if r.row or r.pages]
-        if problems:
-            raise IntegrityError("; ".join(problems))
-# >>> ch20: the state every rank's scheduler holds alike, as a checksum
-
-
-def checksum(inbox: list, reqs: list[Req]) -> int:
-    """crc32 of the inbox's uids (each add's, abort's and compiled grammar's) and of each request's uid,
-    length in the cache, token count and last token; 0 for nothing at all."""
-    state = array("q")
-    for kind, item in inbox:
-        code = {"add": 1, "abort": 2, "grammar": 3}.get(kind)
-        state.extend(() if code is None else (code, item.uid if kind == "add" else item))
-    for r in reqs:
-        state.extend((r.uid, r.seq_len, len(r.output_ids), r.output_ids[-1] if r.output_ids else -1))
-    return zlib.crc32(state.tobytes())
-# <<< ch20

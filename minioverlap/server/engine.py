@@ -20,7 +20,8 @@ from minioverlap.llm import LLM
 # >>> ch20: a rank's failure
 from minioverlap.ranks import RankFailed
 # <<< ch20
-from minioverlap.scheduler.scheduler import IntegrityError, Reply
+from minioverlap.scheduler.checks import IntegrityError
+from minioverlap.scheduler.scheduler import Reply
 from minioverlap.server.messages import (Abort, Accepted, Add, Failed, Integrity, Ready, Rejected, Report, Stop,
                                          Tokens)
 

@@ -294,7 +294,7 @@ class SpecRunner(ModelRunner):
         the plain runner puts off its sample. The step's reads of the shared tables are all queued now, so
         the fence's event is recorded here, and the draft extend will use the page table the verify read:
         reading it then, after the event, would race the scheduler's next writes. Only a verify puts its
-        accept off: a prefill's requests have no token in flight (Scheduler.launch_step)."""
+        accept off: a prefill's requests have no token in flight (GrammarManager.puts_off)."""
         if batch.mode is not ForwardMode.TARGET_VERIFY:
             raise RuntimeError(f"only a verify puts its accept off, not a {batch.mode.name} step")
         spec = self.verify_passes(batch)
