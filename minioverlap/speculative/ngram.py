@@ -25,13 +25,13 @@ from minioverlap.device.streams import Event
 from minioverlap.device.transfer import to_device
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
 from minioverlap.engine.logprobs import step_logprobs
-from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.sampler import penalized
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.speculative.accept import accept, mask_window
-from minioverlap.speculative.verify_batch import build_verify_batch, resolve_window, window_slack
+from minioverlap.speculative.verify_batch import build_verify_batch, resolve_window
+from minioverlap.speculative.verify_runner import VerifyRunner
 
 
 def ngram_draft(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -54,17 +54,16 @@ def pad_drafts(proposal: list[int], k: int, filler: int) -> list[int]:
     return (proposal + [filler] * k)[:k]
 
 
-class NgramRunner(ModelRunner):
+class NgramRunner(VerifyRunner):
     """The model runner whose drafts come from an n-gram lookup on the host: every decode step is a verify
     step of window k+1, run by the target alone."""
 
     def __init__(self, model: Qwen3ForCausalLM, ngram_steps: int, *, max_seq_len: int, **sizes) -> None:
-        """Draft ngram_steps tokens a step by lookup. A request's windows reach past its last token
-        (window_slack), so the request tables are that much wider. `lookup_ns` collects the host time of
-        each step's lookups, the work the device waits for between steps."""
-        self.ngram_steps = ngram_steps
+        """Draft ngram_steps tokens a step by lookup (the tables as wide as VerifyRunner makes them).
+        `lookup_ns` collects the host time of each step's lookups, the work the device waits for between
+        steps."""
         self.lookup_ns: list[int] = []
-        super().__init__(model, max_seq_len=max_seq_len + window_slack(ngram_steps), **sizes)
+        super().__init__(model, ngram_steps, max_seq_len=max_seq_len, **sizes)
 
     def waits_for_host(self, running: list[Req]) -> bool:
         """Always: each step's drafts are looked up from the tokens the step before accepted, on the host, so
@@ -77,7 +76,7 @@ class NgramRunner(ModelRunner):
         committed length is known here (the MTP runner must read it from the relay, on the device)."""
         if mode is not ForwardMode.DECODE:
             return super().batch(mode, reqs)
-        batch = build_verify_batch(reqs, self.ngram_steps + 1, self.allocator, self.tables, self.device)
+        batch = build_verify_batch(reqs, self.draft_steps + 1, self.allocator, self.tables, self.device)
         return resolve_window(batch, to_device([r.seq_len for r in reqs], torch.int64, self.device), self.tables)
 
     @torch.inference_mode()
@@ -95,7 +94,7 @@ class NgramRunner(ModelRunner):
     def propose(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's k drafts, looked up in its prompt and the tokens it has received (all of them: its
         last is the bonus token at the window's start). Timed, into lookup_ns."""
-        start, k = time.perf_counter_ns(), self.ngram_steps
+        start, k = time.perf_counter_ns(), self.draft_steps
         drafts = []
         for req in reqs:
             tokens = req.prompt_ids + req.output_ids
@@ -122,20 +121,6 @@ class NgramRunner(ModelRunner):
         self.logprobs = step_logprobs(logits, tokens, batch.reqs)
         self.tables.write_window(batch, tokens)              # the accepted tokens, and the next bonus at L + accept_len
         return tokens, accept_lens, input_ids, read_done
-
-    def commit(self, req: Req, tokens: list[int], out: StepOutput) -> None:
-        """A handled step's tokens for req: one more target pass, and a verify's accepted tokens are
-        committed: their KV is in the cache, and the next window starts after them."""
-        req.verify_steps += 1
-        if out.batch.mode is ForwardMode.TARGET_VERIFY:
-            req.seq_len += len(tokens)
-
-    def tokens_needed(self, req: Req) -> int:
-        """The plain runner's count, and the KV slots the verify windows may reach past the last token."""
-        return super().tokens_needed(req) + window_slack(self.ngram_steps)
-
-    def need(self, req: Req) -> str:
-        return f"{super().need(req)}, and the {window_slack(self.ngram_steps)} KV slots that verify windows may reach past the last one,"
 
     def init_graphs(self, max_running: int) -> None:
         """None captured: the plain runner's graphs fit a decode step of one row per request, and every

@@ -33,14 +33,14 @@ from minioverlap.cache.kv_pool import KVPool
 from minioverlap.device.streams import Event
 from minioverlap.engine.attention import PagedAttention
 from minioverlap.engine.forward_batch import ForwardBatch, ForwardMode
-from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.sampler import sample
 from minioverlap.engine.step import StepOutput
 from minioverlap.model.mtp import MTPLayer
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.speculative.accept import accept
-from minioverlap.speculative.verify_batch import build_verify_batch, window_slack
+from minioverlap.speculative.verify_batch import build_verify_batch
+from minioverlap.speculative.verify_runner import VerifyRunner
 # >>> ch10: the relay
 from minioverlap.speculative.relay import Relay
 from minioverlap.speculative.verify_batch import resolve_window
@@ -65,7 +65,7 @@ from minioverlap.speculative.accept import mask_window
 # <<< ch19
 
 
-class SpecRunner(ModelRunner):
+class SpecRunner(VerifyRunner):
     """The model runner with an MTP drafter: every decode step is a verify step."""
     # >>> ch13: no graphs unless init_graphs captures them
     graphs: SpecGraphs | None = None
@@ -74,10 +74,10 @@ class SpecRunner(ModelRunner):
     def __init__(self, model: Qwen3ForCausalLM, mtp: MTPLayer, mtp_steps: int, *, max_seq_len: int, **sizes) -> None:
         """Draft mtp_steps tokens a step with the MTP layer. It gets its own KV pool, one layer at the same
         KV slots as the target's: it shares req_to_token and the allocator (as SGLang's draft worker
-        shares the target's pools). A request's windows reach past its last token (window_slack), so the
-        request tables are that much wider."""
-        self.mtp, self.mtp_steps = mtp, mtp_steps
-        super().__init__(model, max_seq_len=max_seq_len + window_slack(mtp_steps), **sizes)
+        shares the target's pools). What it counts as any verifying runner does is VerifyRunner's: its
+        request tables are wider by as far as a request's windows reach past its last token."""
+        self.mtp = mtp
+        super().__init__(model, mtp_steps, max_seq_len=max_seq_len, **sizes)
         k = self.kv_pool.k[0]
         self.draft_kv_pool = KVPool(1, k.shape[0], k.shape[1], k.shape[2], k.dtype, self.device)
         # >>> ch10: the relay, one row per request slot
@@ -92,7 +92,7 @@ class SpecRunner(ModelRunner):
     def batch(self, mode: ForwardMode, reqs: list[Req]) -> ForwardBatch:
         """A prefill as the plain runner lays it out; a decode step verifies a window of k+1 positions per request."""
         if mode is ForwardMode.DECODE:
-            return build_verify_batch(reqs, self.mtp_steps + 1, self.allocator, self.tables, self.device)
+            return build_verify_batch(reqs, self.draft_steps + 1, self.allocator, self.tables, self.device)
         return super().batch(mode, reqs)
 
     @torch.inference_mode()
@@ -210,7 +210,7 @@ class SpecRunner(ModelRunner):
         """d1 from the last draft extend, then k-1 MTP passes, each the drafter's argmax -> drafts [B, k]."""
         token, hidden = draft_inputs
         drafts = [token]
-        for i in range(1, self.mtp_steps):
+        for i in range(1, self.draft_steps):
             row = draft_row(batch, i - 1)
             hidden = self.mtp(token, hidden, row.positions, self.context(self.draft_kv_pool, ctx.page_table, row))
             token = self.mtp.compute_logits(hidden).argmax(dim=-1)
@@ -260,13 +260,6 @@ class SpecRunner(ModelRunner):
         return resolve_window(batch, seq_lens, self.tables), (draft, hidden)
         # <<< ch10
 
-    def commit(self, req: Req, tokens: list[int], out: StepOutput) -> None:
-        """A handled step's tokens for req: one more target pass, and a verify's accepted tokens are
-        committed: their KV is in the cache, and the next window starts after them."""
-        req.verify_steps += 1
-        if out.batch.mode is ForwardMode.TARGET_VERIFY:
-            req.seq_len += len(tokens)
-
 
     # >>> ch19: a constrained window
 
@@ -310,13 +303,6 @@ class SpecRunner(ModelRunner):
         return done
     # <<< ch19
 
-    def tokens_needed(self, req: Req) -> int:
-        """The plain runner's count, and the KV slots the verify windows may reach past the last token."""
-        return super().tokens_needed(req) + window_slack(self.mtp_steps)
-
-    def need(self, req: Req) -> str:
-        return f"{super().need(req)}, and the {window_slack(self.mtp_steps)} KV slots that verify windows may reach past the last one,"
-
     def record_kv_accesses(self, batch: ForwardBatch) -> None:
         """The target's K and V, and the drafter's, at the same slots."""
         super().record_kv_accesses(batch)
@@ -326,7 +312,7 @@ class SpecRunner(ModelRunner):
     def init_graphs(self, max_running: int) -> None:
         """Capture, once per batch-size bucket, the verify step's three passes (a CUDA device only)."""
         self.graphs = SpecGraphs(self.draft, self.target, self.extend_rows, context=partial(self.context, self.kv_pool),
-                                 table=self.tables.req_to_token, hidden=self.relay.hidden, window=self.mtp_steps + 1,
+                                 table=self.tables.req_to_token, hidden=self.relay.hidden, window=self.draft_steps + 1,
                                  max_running=max_running)
     # <<< ch13
 
