@@ -99,7 +99,7 @@ def run_example(path: str) -> str:
 
     root = Path(__file__).resolve().parent.parent
     env = {"OMP_NUM_THREADS": "1", **os.environ,
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
     run = subprocess.run([sys.executable, path], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     return run.stdout
