@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -99,7 +101,7 @@ def run_example(path: str) -> str:
 
     root = Path(__file__).resolve().parent.parent
     env = {"OMP_NUM_THREADS": "1", **os.environ,
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
     run = subprocess.run([sys.executable, path], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     return run.stdout
@@ -164,7 +166,10 @@ def spec_overlap() -> bool:
 
 @contextlib.contextmanager
 def no_hang(seconds: int):
-    """Fail with TimeoutError instead of hanging, where the platform has SIGALRM (the main thread)."""
+    """Fail with TimeoutError instead of hanging, where the platform has SIGALRM (the main thread). A time:
+    on a machine shared by many workers it may fire on a run that only waits its turn; where the run is
+    the scheduler's loop in this process, bounded_loop's count is the same everywhere. The timer it
+    replaces (pytest-timeout's, for the whole test) is set again after, less the time spent."""
     if not hasattr(signal, "SIGALRM"):
         yield
         return
@@ -173,9 +178,33 @@ def no_hang(seconds: int):
         raise TimeoutError(f"still running after {seconds} s: the run hangs")
 
     previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
+    left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
     try:
         yield
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if left:
+            signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - start), 0.001))
+
+
+@contextlib.contextmanager
+def bounded_loop(llm, iterations: int):
+    """Fail with RuntimeError instead of looping without end: inside, the scheduler's loop goes round at
+    most `iterations` times (its goes_on, chapter 06 on, is asked once a round). A count, not a time, so
+    the bound is the same on a GPU shared by many workers, or compiling its kernels, as on an idle
+    machine; a wait that never returns is left to pytest-timeout (pyproject.toml)."""
+    scheduler, rounds = llm.scheduler, itertools.count(1)
+    goes_on = scheduler.goes_on
+
+    def bounded(last):
+        if next(rounds) > iterations:
+            raise RuntimeError(f"the scheduler's loop went round {iterations} times and goes on: the run never ends")
+        return goes_on(last)
+
+    scheduler.goes_on = bounded
+    try:
+        yield
+    finally:
+        del scheduler.goes_on

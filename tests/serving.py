@@ -20,6 +20,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that imports the package, with `extra`: the repository's root
+    first on PYTHONPATH and the parent's entries kept after it, so that the child imports what we do."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, **extra, "PYTHONPATH": path}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -30,8 +37,7 @@ class Server:
     def __init__(self, *args: str, startup_s: float = 120.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         device = os.environ.get("MINIOVERLAP_TEST_DEVICE", "cpu")     # on a GPU in fp32, as the suite's engines
         on_device = ["--device", device] + (["--dtype", "float32"] if device != "cpu" else [])
         self.process = subprocess.Popen(

@@ -21,7 +21,7 @@ import pytest
 from minioverlap.llm import LLM
 from minioverlap.sampling_params import SamplingParams
 from tests.conftest import CODE_PROMPTS, TINY
-from tests.serving import ROOT, Server
+from tests.serving import ROOT, Server, child_env
 
 pytestmark = pytest.mark.process
 
@@ -245,9 +245,8 @@ def test_a_busy_port_is_an_error_naming_it_before_anything_loads():
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
         run = subprocess.run([sys.executable, "-m", "minioverlap", "serve", "--port", str(port)], capture_output=True,
-                             text=True, env=env, cwd=ROOT, timeout=120)
+                             text=True, env=child_env(), cwd=ROOT, timeout=120)
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"127.0.0.1:{port}" in run.stderr and "in use" in run.stderr, run.stderr
     assert "serving" not in run.stdout

@@ -13,7 +13,7 @@ import torch
 
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
-from minioverlap.config import Guards
+from minioverlap.config import EngineArgs, Guards, chunk_size
 from minioverlap.engine.forward_batch import ForwardMode
 
 SYSTEM = list(range(100, 140))                       # a 40-token "system prompt"
@@ -241,7 +241,11 @@ def test_a_chunk_replies_nothing_and_the_first_token_comes_after_the_last_chunk(
 
 # ---- the options
 def test_the_budget_defaults_to_the_devices_and_minus_one_turns_it_off():
-    assert LLM().scheduler.chunked_prefill_size == 64
+    """64 prompt tokens a step on a CPU, 8192 on a GPU (SGLang's on an H100 or H200): both from the options
+    alone, and in an engine on the device the suite runs on (MINIOVERLAP_TEST_DEVICE)."""
+    assert [chunk_size(EngineArgs(device=d)) for d in ("cpu", "cuda", "cuda:1")] == [64, 8192, 8192]
+    llm = LLM()
+    assert llm.scheduler.chunked_prefill_size == {"cpu": 64, "cuda": 8192}[llm.runner.device.type]
     assert LLM(chunked_prefill_size=-1).scheduler.chunked_prefill_size is None
     assert LLM(chunked_prefill_size=7).scheduler.chunked_prefill_size == 7
     assert LLM(guards=Guards(prompt_on_forward_stream=False)).scheduler.chunked_prefill_size is None, \

@@ -23,7 +23,8 @@ from minioverlap.device.hazard import HazardError
 
 PROMPTS = ["def fibonacci(n):", "x = {", "import json\ndata = "]
 FREE = ["class Stack:", "    for i in range(10):"]
-LONG = "import os\n" + "x = [1, 2, 3]\nprint(x)\n" * 10          # longer than a CPU step's 64-token budget: chunked
+LONG = "import os\n" + "x = [1, 2, 3]\nprint(x)\n" * 10          # 153 tokens, over a step's budget of BUDGET: chunked
+BUDGET = 64                                                      # asked for: a GPU's default, 8192, chunks nothing
 SCHEMAS = {
     "typed-object": {"type": "object", "required": ["name", "age", "admin"],
                      "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -180,7 +181,7 @@ def test_free_requests_beside_constrained_ones_equal_a_run_without_grammars(free
     """A batch mixing free requests with constrained ones (greedy and seeded sampling, one with a prompt
     chunked over several steps): the free tokens equal a run without a grammar, a seeded free request's
     equal its run alone, every constrained output is valid, and the hazard checker is silent."""
-    llm = LLM(**CONFIGS[config], hazard_check=True)
+    llm = LLM(**CONFIGS[config], hazard_check=True, chunked_prefill_size=BUDGET)
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
     alone = llm.generate(FREE[0], sampled)[0].token_ids
     person = SamplingParams(max_tokens=64, json_schema=SCHEMAS["typed-object"])
@@ -194,7 +195,7 @@ def test_free_requests_beside_constrained_ones_equal_a_run_without_grammars(free
     jsonschema.validate(json.loads(outs[1].text), SCHEMAS["typed-object"])
     assert re.fullmatch(PHONE, outs[3].text)
     jsonschema.validate(json.loads(outs[5].text), SCHEMAS["nested"])
-    assert any(e.kind == "chunk" for e in llm.trace)
+    assert any(e.kind == "chunk" for e in llm.trace), "the long prompt was not chunked"
     llm.check_integrity()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import no_hang
+from conftest import bounded_loop
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.speculative.ngram import NgramRunner, ngram_draft
@@ -22,8 +22,11 @@ PARAMS = [SamplingParams(max_tokens=n) for n in (40, 24, 1, 33, 17)]
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one torch thread for the module
 
 
+ROUNDS = 1000       # the loop's rounds a run here may take: under 100 each (a wrong drafter could loop forever)
+
+
 def tokens_of(llm: LLM, prompts, params) -> list[list[int]]:
-    with no_hang(60):
+    with bounded_loop(llm, ROUNDS):
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -119,7 +122,7 @@ def test_an_abort_mid_stream_leaves_the_engine_as_new(overlap, how):
     then gives what a fresh one gives."""
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     llm = LLM(overlap=overlap, ngram_steps=3, hazard_check=True, page_size=4)
-    with no_hang(60):
+    with bounded_loop(llm, ROUNDS):
         for i, reply in enumerate(llm.stream([REPEAT, "def fibonacci(n):"], params)):
             if i == 2 and how == "break":
                 break

@@ -38,7 +38,8 @@ def load_script():
 def drawn(tmp_path_factory) -> Path:
     """Every figure, computed from the engine now and drawn, in a folder of its own."""
     out = tmp_path_factory.mktemp("figures")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)    # the parent's kept
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=out, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
