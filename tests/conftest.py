@@ -208,3 +208,17 @@ def bounded_loop(llm, iterations: int):
         yield
     finally:
         del scheduler.goes_on
+
+
+@contextlib.contextmanager
+def over_ranks(**options):
+    """An LLM over several ranks (LLM(tp_size=N, ...)), shut down when the block ends: its rank processes
+    must all have ended with it."""
+    from minioverlap import LLM
+    llm = LLM(**options)
+    procs = list(llm.ranks.procs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+    assert llm.ranks is None and procs and not [p for p in procs if p.is_alive()]

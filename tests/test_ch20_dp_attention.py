@@ -13,7 +13,7 @@ import json
 import jsonschema
 import pytest
 
-from conftest import no_hang
+from conftest import no_hang, over_ranks
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.parallel.dp_scheduler import assign
@@ -35,11 +35,9 @@ def one_device() -> list[list[int]]:
 @pytest.fixture(scope="module", params=["normal", "overlap"])
 def dp2(request):
     """Two DP-attention ranks, the hazard checker on each."""
-    llm = LLM(tp_size=2, dp_attention=True, overlap=request.param == "overlap", hazard_check=True, **OPTIONS)
-    procs = list(llm.ranks.procs)
-    yield llm
-    llm.shutdown()
-    assert llm.ranks is None and not [p for p in procs if p.is_alive()]
+    overlap = request.param == "overlap"
+    with over_ranks(tp_size=2, dp_attention=True, overlap=overlap, hazard_check=True, **OPTIONS) as llm:
+        yield llm
 
 
 def test_greedy_tokens_equal_one_device(dp2, one_device):

@@ -16,7 +16,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from conftest import no_hang
+from conftest import no_hang, over_ranks
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.constrained.grammar import GrammarBackend
@@ -51,11 +51,8 @@ def one_device() -> list[list[int]]:
 @pytest.fixture(scope="module", params=["normal", "overlap"])
 def tp2(request):
     """Two ranks, the hazard checker on each (a race on a rank other than 0 would end it: RankFailed)."""
-    llm = LLM(tp_size=2, overlap=request.param == "overlap", hazard_check=True, **OPTIONS)
-    procs = list(llm.ranks.procs)
-    yield llm
-    llm.shutdown()
-    assert_no_rank_left(llm, procs)
+    with over_ranks(tp_size=2, overlap=request.param == "overlap", hazard_check=True, **OPTIONS) as llm:
+        yield llm
 
 
 def test_greedy_tokens_equal_one_device(tp2, one_device):

@@ -13,7 +13,7 @@ import torch
 
 from safetensors import safe_open
 
-from conftest import no_hang
+from conftest import no_hang, over_ranks
 from minioverlap import LLM, SamplingParams
 from minioverlap.model.loader import load_model, resolve_model_dir
 from minioverlap.model.mtp import load_mtp
@@ -122,11 +122,8 @@ def one_device() -> list[tuple[list[int], int]]:
 @pytest.fixture(scope="module", params=["normal", "overlap"])
 def tp2(request):
     """Two ranks drafting with the MTP layer, the hazard checker on each."""
-    llm = LLM(tp_size=2, overlap=request.param == "overlap", hazard_check=True, **OPTIONS)
-    procs = list(llm.ranks.procs)
-    yield llm
-    llm.shutdown()
-    assert llm.ranks is None and not [p for p in procs if p.is_alive()]
+    with over_ranks(tp_size=2, overlap=request.param == "overlap", hazard_check=True, **OPTIONS) as llm:
+        yield llm
 
 
 def test_greedy_tokens_and_verify_steps_equal_one_device(tp2, one_device):
