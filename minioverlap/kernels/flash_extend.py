@@ -130,7 +130,7 @@ def online_softmax(qs, ks, vs, visible, m, l, acc, qk_scale, MASK: tl.constexpr,
     p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     p_dot = p.to(vs.dtype).to(vs_dot.dtype)                         # rounded as the GPU's dot takes it
-    acc = acc * alpha[:, None] + tl.dot(p_dot, vs_dot, input_precision=PRECISION)
+    acc = tl.dot(p_dot, vs_dot, acc * alpha[:, None], input_precision=PRECISION)      # accumulated in place
     return m_new, l * alpha + tl.sum(p, 1), acc
 
 
