@@ -4,8 +4,9 @@
 layer's tensors, causal inside the new tokens), laid out as FlashAttention-2 lays out a prefill
 (Dao, 2023; Triton's fused-attention tutorial). What changes, and why each is worth it on an H100:
 
-    tiles     BLOCK_M = 128 query rows against BLOCK_N = 64 keys: a 16-row tile keeps the tensor cores
-              a tenth busy and reads every K and V eight times as often
+    tiles     BLOCK_M = 128 query rows against BLOCK_N = 64 keys: Hopper's warpgroup matrix
+              instructions (wgmma) take 64 rows a warpgroup, so a 16-row tile compiles to the older,
+              slower mma.sync, and it reads every K and V eight times as often
     masks     only where a tile needs one: the prefix's full blocks and the new keys left of the
               diagonal are visible to every row; the last prefix block (its end) and the diagonal
               blocks (causal) are masked; blocks right of the diagonal are never visited
@@ -15,7 +16,8 @@ layer's tensors, causal inside the new tokens), laid out as FlashAttention-2 lay
     order     grid (Hq, blocks, B) with the head fastest, so the query heads of a KV group run side by
               side and read the same K and V from L2, and the last (longest: causal) blocks first, so
               the short ones fill the tail
-    configs   BLOCK_M, BLOCK_N, warps and pipeline stages per head_dim, measured (CONFIGS)
+    configs   BLOCK_M, BLOCK_N, warps and pipeline stages per head_dim (CONFIGS), the loads of K and V
+              pipelined through shared memory num_stages deep
 
 Numerics as extend_kernel: dots in the pool's dtype with fp32 sums (ieee for fp32), the interpreter's
 bf16 upcast to fp32, a head_dim that is no power of two padded with masked lanes. The reference is
@@ -28,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-# head_dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages): measured on an H100 (tools/bench_kernels.py
-# --extend, chapters/figures/18-h100-extend.json); any other head_dim takes DEFAULT_CONFIG
+# head_dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages), any other head_dim DEFAULT_CONFIG: FlashAttention-2's
+# Hopper tiles, each compiled for sm_90 without spills; `tools/bench_kernels.py --extend --extend-configs ...`
+# sweeps others against them on a GPU
 CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 DEFAULT_CONFIG = (64, 32, 4, 2)
 LOG2E = 1.4426950408889634
