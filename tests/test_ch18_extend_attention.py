@@ -133,10 +133,10 @@ def test_the_extend_kernel_pads_a_head_dim_that_is_no_power_of_two(head_dim, gro
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("config", [(32, 16, 4, 2), None], ids=["blocks of 32x16", "the head_dim's"])
+@pytest.mark.parametrize("config", [(32, 16, 4, 2), None], ids=["blocks of 32x16", "the default"])
 def test_the_flash_kernel_equals_the_reference(dtype, case, group, config):
     """Blocks of 32 rows and 16 keys (several of each a request, a diagonal of two key blocks, a prefix's
-    partial last block) and the head_dim's own (128 x 64 at 64: one block, all masked)."""
+    partial last block) and the default: bf16 at head_dim 64 128 x 64 (one block, all masked), fp32 16 x 16."""
     prefix_lens, extend_lens = CASES[case]
     q, k, v, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, group, 64, 4, dtype)
     ix = extend_indices(prefix_lens, extend_lens, table)

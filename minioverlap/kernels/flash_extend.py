@@ -35,6 +35,7 @@ import triton.language as tl
 # sweeps others against them on a GPU
 CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 DEFAULT_CONFIG = (64, 32, 4, 2)
+FP32_CONFIG = (16, 16, 4, 2)    # an fp32 pool (the CUDA suite's): exact dots on the FMA units, which spill larger tiles
 LOG2E = 1.4426950408889634
 
 
@@ -144,10 +145,11 @@ def flash_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     """extend_attention's arguments and result (kernels/extend_attention.py): every request's new queries
     q [T, Hq, D] against its prefix in the pool and its own new K and V (k, v [T, Hkv, D]), causal inside
     the new tokens -> [T, Hq, D]. config: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default the
-    head_dim's from CONFIGS; BLOCK_M a multiple of BLOCK_N."""
+    head_dim's from CONFIGS (fp32: FP32_CONFIG); BLOCK_M a multiple of BLOCK_N."""
     T, Hq, D = q.shape
     B = len(qo_indptr) - 1
-    block_m, block_n, warps, stages = config or CONFIGS.get(D, DEFAULT_CONFIG)
+    default = FP32_CONFIG if q.dtype == torch.float32 else CONFIGS.get(D, DEFAULT_CONFIG)
+    block_m, block_n, warps, stages = config or default
     assert block_m % block_n == 0, f"BLOCK_M {block_m} must be a multiple of BLOCK_N {block_n}"
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     assert k_pool.is_contiguous() and v_pool.is_contiguous()
