@@ -1,7 +1,7 @@
 """Chapter 18 (so far): one attention call for the whole ragged prefill. The batched reference equals the
 loop over requests it replaces, on ragged batches with and without cached prefixes and the GQA shapes of
-the tiny model; the extend kernel equals the reference (in Triton's interpreter without a GPU); a
-prefill step's attention is the same work, the same number of calls and launches, for one request or
+the tiny model; the extend kernel and the GPU's FlashAttention-shaped one equal the reference (in
+Triton's interpreter without a GPU); a prefill step's attention is the same work, the same number of calls and launches, for one request or
 many; and the fast path's prefills over cached prefixes give the reference's tokens. The engine's tokens,
 unchanged, are chapters 03, 15 and 17's tests."""
 
@@ -19,6 +19,7 @@ from minioverlap.engine.attention import PagedAttention, extend_indices, ragged_
 from minioverlap.engine.forward_batch import ForwardMode
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.kernels.extend_attention import extend_attention
+from minioverlap.kernels.flash_extend import flash_extend_attention
 from minioverlap.model.qwen3 import attention
 
 
@@ -126,6 +127,61 @@ def test_the_extend_kernel_pads_a_head_dim_that_is_no_power_of_two(head_dim, gro
     close(got, ragged_extend_attention(q, k_pool, v_pool, ix))
 
 
+# ---- the GPU's kernel: FlashAttention-2's tiles, the same function
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("config", [(32, 16, 4, 2), None], ids=["blocks of 32x16", "the default"])
+def test_the_flash_kernel_equals_the_reference(dtype, case, group, config):
+    """Blocks of 32 rows and 16 keys (several of each a request, a diagonal of two key blocks, a prefix's
+    partial last block) and the default: bf16 at head_dim 64 128 x 64 (one block, all masked), fp32 16 x 16."""
+    prefix_lens, extend_lens = CASES[case]
+    q, k, v, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, group, 64, 4, dtype)
+    ix = extend_indices(prefix_lens, extend_lens, table)
+    got = flash_extend_attention(q, k, v, k_pool, v_pool, ix.qo_indptr, ix.kv_indptr, ix.kv_indices,
+                                 ix.max_extend, config=config)
+    close(got, ragged_extend_attention(q, k_pool, v_pool, ix))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_flash_kernel_equals_the_reference_on_random_ragged_batches(seed):
+    """The 8B's head_dim (128) and GQA group (4), bf16, in its own blocks of 128 x 64: up to 5 requests of
+    1 to 300 new tokens (decode rows among them), half the batches after cached prefixes of up to 200."""
+    g = torch.Generator().manual_seed(200 + seed)
+    B = int(torch.randint(1, 6, (1,), generator=g))
+    prefix_lens = [int(x) * (seed % 2) for x in torch.randint(0, 200, (B,), generator=g)]
+    extend_lens = [int(x) for x in torch.randint(1, 300, (B,), generator=g)]
+    q, k, v, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 1, 4, 128, 16, torch.bfloat16, seed)
+    ix = extend_indices(prefix_lens, extend_lens, table)
+    got = flash_extend_attention(q, k, v, k_pool, v_pool, ix.qo_indptr, ix.kv_indptr, ix.kv_indices, ix.max_extend)
+    close(got, ragged_extend_attention(q, k_pool, v_pool, ix))
+
+
+@pytest.mark.parametrize("head_dim,group", [(8, 4), (48, 1), (80, 2)])
+def test_the_flash_kernel_pads_a_head_dim_that_is_no_power_of_two(head_dim, group):
+    prefix_lens, extend_lens = [9, 0, 70], [5, 40, 33]
+    q, k, v, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, group, head_dim, 4, torch.float32)
+    ix = extend_indices(prefix_lens, extend_lens, table)
+    got = flash_extend_attention(q, k, v, k_pool, v_pool, ix.qo_indptr, ix.kv_indptr, ix.kv_indices,
+                                 ix.max_extend, config=(32, 16, 4, 2))
+    close(got, ragged_extend_attention(q, k_pool, v_pool, ix))
+
+
+def test_the_flash_kernel_reads_new_k_and_v_through_their_strides():
+    """As the fast path passes them: v a slice of the merged q/k/v projection, k a copy of its own."""
+    prefix_lens, extend_lens = [20, 3], [45, 17]
+    q, k, v, k_pool, v_pool, table = ragged_case(prefix_lens, extend_lens, 2, 2, 64, 4, torch.float32)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    v_view = qkv[:, q[0].numel() + k[0].numel():].view(v.shape)
+    assert not v_view.is_contiguous()
+    ix = extend_indices(prefix_lens, extend_lens, table)
+    got = flash_extend_attention(q, k, v_view, k_pool, v_pool, ix.qo_indptr, ix.kv_indptr, ix.kv_indices,
+                                 ix.max_extend, config=(32, 16, 4, 2))
+    close(got, ragged_extend_attention(q, k_pool, v_pool, ix))
+
+
 # ---- the launches of a prefill step
 
 
@@ -161,11 +217,14 @@ def prefill_counts(monkeypatch, kernels: bool, prompts: list[list[int]]) -> tupl
         steps.append((len(batch.reqs), counter.ops))
         return out
 
-    def counted_kernel(*args, **kwargs):
-        launches.append(1)
-        return extend_attention(*args, **kwargs)
+    def counted(kernel):
+        def counted_kernel(*args, **kwargs):
+            launches.append(1)
+            return kernel(*args, **kwargs)
+        return counted_kernel
     monkeypatch.setattr(ModelRunner, "forward", counted_forward)
-    monkeypatch.setattr(triton_attention, "extend_attention", counted_kernel)
+    monkeypatch.setattr(triton_attention, "extend_attention", counted(extend_attention))       # the interpreter's
+    monkeypatch.setattr(triton_attention, "flash_extend_attention", counted(flash_extend_attention))   # a GPU's
     LLM(model="tiny", kernels=kernels, overlap=False, page_size=4, chunked_prefill_size=-1).generate(
         prompts, SamplingParams(max_tokens=1))
     assert len(steps) == 1, f"the prompts should be one prefill step, not {len(steps)}"

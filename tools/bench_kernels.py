@@ -4,6 +4,7 @@
     python tools/bench_kernels.py --shapes 8b --batches 1 --contexts 128 4096 --out kernels.json
     python tools/bench_kernels.py --report kernels.json        # no GPU: the table of a recorded run
     python tools/bench_kernels.py --shapes 8b --splits 1 2 4 8 16 32 --batches 1 16 64 --out splits.json
+    python tools/bench_kernels.py --extend --out chapters/figures/18-h100-extend.json   # prefill attention
 
 For each model shape (the layer sizes of Qwen3-0.6B and Qwen3-8B, bf16), batch size and context length,
 every group of operations the fast path fuses runs both ways on the same random inputs: the reference
@@ -16,6 +17,15 @@ interpreter on a small shape (the tools' tests do).
 
 --splits times only the decode attention, once for each number of splits of the context: what the
 engine's fixed count (kernels/attention.py, num_splits) costs or saves at each batch size and context.
+
+--extend times a prefill's attention (the 8B's heads: 32 query and 8 KV heads of 128): one prompt of
+each --prompt-lens length, a --chunk of new tokens after a cached prefix of --chunk-prefix and after
+none, 16 prompts of 64 tokens, and a mixed step (the chunk and 8 decode rows at that prefix), each with
+chapter 18's extend kernel, the FlashAttention-shaped one (kernels/flash_extend.py; --extend-configs
+adds a sweep of its block sizes), the reference (one masked SDPA) and, for one request, PyTorch's SDPA
+backends on K and V already gathered and expanded to the query heads (is_causal, or lower-right causal
+after a prefix). Each output is first compared with the reference; the time is triton.testing.do_bench's
+median, and TFLOP/s counts 4 * Hq * D flops for every (query, visible key) pair.
 """
 
 from __future__ import annotations
@@ -180,6 +190,121 @@ def bench_splits(args: argparse.Namespace) -> dict:
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "repeats": args.repeats, "splits": rows}
 
 
+EXTEND_SWEEP = ["128,64,8,2", "128,64,8,3", "128,64,8,4", "128,128,8,2", "128,128,8,3", "128,64,4,3", "128,32,8,3",
+                "64,64,4,3", "64,64,4,4", "64,32,4,3"]
+
+
+def extend_inputs(heads: tuple[int, int, int], prefix_lens: list[int], extend_lens: list[int], device: str,
+                  dtype: torch.dtype, g: torch.Generator, page_size: int = 16) -> tuple:
+    """A ragged prefill as the engine lays it out: each request's prefix + new tokens in pages of
+    page_size scattered over a pool, q [T, Hq, D], the new k, v [T, Hkv, D] (already in the pool) and
+    the step's ExtendIndices."""
+    from minioverlap.engine.attention import extend_indices
+    hq, hkv, d = heads
+    kv_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    pages = [-(-n // page_size) for n in kv_lens]
+    order = torch.randperm(sum(pages), generator=g)
+    table = torch.zeros(len(kv_lens), max(kv_lens), dtype=torch.int64)
+    for b, (n, first) in enumerate(zip(kv_lens, [sum(pages[:b]) for b in range(len(pages))])):
+        pos = torch.arange(n)
+        table[b, :n] = order[first + pos // page_size] * page_size + pos % page_size
+    k_pool, v_pool = (torch.randn(sum(pages) * page_size, hkv, d, generator=g).to(device=device, dtype=dtype) for _ in "kv")
+    table = table.to(device)
+    new = torch.cat([table[b, p:p + n] for b, (p, n) in enumerate(zip(prefix_lens, extend_lens))])
+    q = torch.randn(sum(extend_lens), hq, d, generator=g).to(device=device, dtype=dtype)
+    return q, k_pool[new].clone(), v_pool[new].clone(), k_pool, v_pool, extend_indices(prefix_lens, extend_lens, table)
+
+
+def extend_flops(heads: tuple[int, int, int], prefix_lens: list[int], extend_lens: list[int]) -> int:
+    """4 * Hq * D for each (query, visible key): request b's row i sees prefix_b + i + 1 keys."""
+    hq, _, d = heads
+    return 4 * hq * d * sum(n * p + n * (n + 1) // 2 for p, n in zip(prefix_lens, extend_lens))
+
+
+def extend_variants(q, k, v, k_pool, v_pool, ix, configs: list[str]) -> dict[str, Callable]:
+    """name -> a zero-argument call of each way to run this prefill's attention."""
+    from minioverlap.engine.attention import ragged_extend_attention
+    from minioverlap.kernels.extend_attention import extend_attention
+    from minioverlap.kernels.flash_extend import flash_extend_attention
+    args = (q, k, v, k_pool, v_pool, ix.qo_indptr, ix.kv_indptr, ix.kv_indices, ix.max_extend)
+    variants = {"reference": lambda: ragged_extend_attention(q, k_pool, v_pool, ix),
+                "ch18 kernel": lambda: extend_attention(*args),
+                "flash kernel": lambda: flash_extend_attention(*args)}
+    for c in configs:
+        variants[f"flash {c}"] = lambda c=c: flash_extend_attention(*args, config=tuple(int(x) for x in c.split(",")))
+    if len(ix.qo_indptr) == 2 and q.is_cuda:                     # one request: PyTorch's SDPA backends
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+        group = q.shape[1] // k_pool.shape[1]
+        kf, vf = (pool[ix.kv_indices].repeat_interleave(group, 1).transpose(0, 1)[None] for pool in (k_pool, v_pool))
+        qf = q.transpose(0, 1)[None]
+        n, s = qf.shape[2], kf.shape[2]
+        causal = {"is_causal": True} if n == s else {"attn_mask": causal_lower_right(n, s)}
+
+        def sdpa(backend):
+            def run():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qf, kf, vf, **causal)[0].transpose(0, 1)
+            return run
+        for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            variants[name] = sdpa(backend)
+    return variants
+
+
+def extend_cases(prompt_lens: list[int], chunk: int, chunk_prefix: int) -> dict[str, tuple[list[int], list[int]]]:
+    """name -> (prefix_lens, extend_lens)."""
+    cases = {f"prompt {n}": ([0], [n]) for n in prompt_lens}
+    cases[f"chunk {chunk} at 0"] = ([0], [chunk])
+    cases[f"chunk {chunk} at {chunk_prefix}"] = ([chunk_prefix], [chunk])
+    cases["16 prompts of 64"] = ([0] * 16, [64] * 16)
+    cases[f"mixed: chunk {chunk} + 8 decode rows at {chunk_prefix}"] = ([chunk_prefix] * 9, [chunk] + [1] * 8)
+    return cases
+
+
+def check_extend(heads: tuple[int, int, int], device: str, dtype: torch.dtype, configs: list[str] = ()) -> dict[str, float]:
+    """Both kernels against the reference on a ragged batch (prefixes 0 and not, lengths that are no
+    multiple of any block, a decode row) -> variant: max error; raises if one differs."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, k_pool, v_pool, ix = extend_inputs(heads, [0, 37, 300, 5, 0], [200, 1, 129, 64, 3], device, dtype, g, 4)
+    variants = extend_variants(q, k, v, k_pool, v_pool, ix, list(configs))
+    want = variants.pop("reference")()
+    return {name: close(fn(), want) for name, fn in variants.items()}
+
+
+def bench_extend(args: argparse.Namespace) -> dict:
+    import triton.testing
+    heads = SHAPES["8b"][2:]
+    checks = {f"{dtype} d{d}": check_extend((32, 8, d), "cuda", dtype, args.extend_configs if d == 128 and
+                                            dtype == torch.bfloat16 else [])        # the sweep is bf16's
+              for dtype in (torch.float32, torch.bfloat16) for d in (64, 128, 80)}
+    print(checks, flush=True)
+    rows, g = [], torch.Generator().manual_seed(0)
+    for case, (prefix_lens, extend_lens) in extend_cases(args.prompt_lens, args.chunk, args.chunk_prefix).items():
+        inputs = extend_inputs(heads, prefix_lens, extend_lens, "cuda", torch.bfloat16, g)
+        variants = extend_variants(*inputs, args.extend_configs)
+        try:
+            want = variants["reference"]()
+        except torch.OutOfMemoryError:                                 # its padded mask, at the longest
+            want = variants.pop("reference") and variants["ch18 kernel"]()
+        flops = extend_flops(heads, prefix_lens, extend_lens)
+        for name, fn in variants.items():
+            try:
+                err = close(fn(), want)
+                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            except Exception as e:                                     # a backend that refuses the shape
+                print(f"{case}, {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append({"case": case, "batch": len(prefix_lens), "prefix": max(prefix_lens), "new": max(extend_lens),
+                         "variant": name, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+                         "max_error": round(err, 5)})
+            print(rows[-1], flush=True)
+        del inputs, variants, want
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "heads": {"q": heads[0], "kv": heads[1], "head_dim": heads[2]}, "checks": checks, "extend": rows}
+
+
 def report(record: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -191,6 +316,12 @@ def report(record: dict) -> None:
         us = {(r["shape"], r["batch"], r["context"], r["splits"]): r["us"] for r in record["splits"]}
         for key in dict.fromkeys((r["shape"], r["batch"], r["context"]) for r in record["splits"]):
             table.add_row(key[0], str(key[1]), str(key[2]), *[fmt_us(us.get((*key, n))) for n in counts])
+        console.print(table)
+    if "extend" in record:
+        table = Table("case", "variant", "ms", "TFLOP/s", "max error",
+                      title=f"{record['device']}, torch {record['torch']}: a prefill's attention, 32/8 heads of 128")
+        for r in record["extend"]:
+            table.add_row(r["case"], r["variant"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['max_error']:.4f}")
         console.print(table)
     if "results" not in record:
         return
@@ -215,12 +346,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=50, help="copies of each call in its CUDA graph")
     parser.add_argument("--splits", nargs="+", type=int, metavar="N",
                         help="time only the decode attention, split N ways for each N given (powers of two)")
+    parser.add_argument("--extend", action="store_true", help="time a prefill's attention instead (extend kernels)")
+    parser.add_argument("--prompt-lens", nargs="+", type=int, default=[1024, 4096, 16384, 32768],
+                        help="--extend: the one-prompt lengths")
+    parser.add_argument("--chunk", type=int, default=2048, help="--extend: a chunk's new tokens")
+    parser.add_argument("--chunk-prefix", type=int, default=14336, help="--extend: the chunk's cached prefix")
+    parser.add_argument("--extend-configs", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
+                        help=f"--extend: flash kernel configs to sweep besides its default (e.g. {' '.join(EXTEND_SWEEP[:2])})")
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--report", metavar="FILE", help="no run: print the table of a recorded JSON")
     args = parser.parse_args(argv)
-    for name in ("batches", "contexts"):
+    for name in ("batches", "contexts", "prompt_lens"):
         if min(getattr(args, name)) < 1:
-            parser.error(f"--{name} must be integers >= 1, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be integers >= 1, got {getattr(args, name)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be an integer >= 1, got {args.repeats}")
     if args.splits and any(n < 1 or n & (n - 1) for n in args.splits):
@@ -235,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU; --report FILE reads a recorded run")
     else:
-        record = bench_splits(args) if args.splits else bench(args)
+        record = bench_extend(args) if args.extend else bench_splits(args) if args.splits else bench(args)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     report(record)
 

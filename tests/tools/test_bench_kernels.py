@@ -72,10 +72,36 @@ def test_report_reads_a_recorded_split_sweep(tmp_path):
     assert [c.strip() for c in line.strip("│ ").split("│")] == ["8b", "16", "192", "8.9", "9.0", "13.4"]
 
 
+def test_the_extend_kernels_equal_the_reference_and_the_flops_count_visible_pairs():
+    """--extend's check on a CPU (the kernels in Triton's interpreter): a ragged batch with prefixes, a
+    decode row and lengths no block divides; and its count, 4 * Hq * D per (query, visible key)."""
+    tool = load_tool()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    errors = tool.check_extend((4, 2, 32), device, torch.float32, ["32,16,4,2"])
+    assert {"ch18 kernel", "flash kernel", "flash 32,16,4,2"} <= set(errors)
+    assert tool.extend_flops((32, 8, 128), [0], [16000]) * 36 == pytest.approx(75.5e12, rel=1e-3)   # the issue's 75
+    assert tool.extend_flops((2, 1, 4), [3, 0], [2, 1]) == 4 * 2 * 4 * ((4 + 5) + 1)
+
+
+def test_report_reads_a_recorded_extend_run(tmp_path):
+    record = {"device": "a hand-made record", "torch": "-", "extend": [
+        {"case": "prompt 16384", "batch": 1, "prefix": 0, "new": 16384, "variant": "flash kernel", "ms": 1.5,
+         "tflops": 412.3, "max_error": 0.0039}]}
+    path = tmp_path / "extend.json"
+    path.write_text(json.dumps(record))
+    done = run_tool("--report", str(path))
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if "16384" in line)
+    assert [c.strip() for c in line.strip("│ ").split("│")] == ["prompt 16384", "flash kernel", "1.500", "412.3",
+                                                                  "0.0039"]
+
+
 def test_without_cuda_and_without_report_it_says_so_and_bad_arguments_name_the_flag():
     done = run_tool()
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
     done = run_tool("--contexts", "0")
     assert done.returncode == 2 and "--contexts must be integers >= 1, got [0]" in done.stderr
+    done = run_tool("--extend", "--prompt-lens", "1024", "0")
+    assert done.returncode == 2 and "--prompt-lens must be integers >= 1, got [1024, 0]" in done.stderr
     done = run_tool("--splits", "4", "3")
     assert done.returncode == 2 and "--splits must be powers of two >= 1, got [4, 3]" in done.stderr
