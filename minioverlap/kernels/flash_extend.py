@@ -21,7 +21,9 @@ layer's tensors, causal inside the new tokens), laid out as FlashAttention-2 lay
 
 Numerics as extend_kernel: dots in the pool's dtype with fp32 sums (ieee for fp32), the interpreter's
 bf16 upcast to fp32, a head_dim that is no power of two padded with masked lanes. The reference is
-`ragged_extend_attention` in minioverlap/engine/attention.py; tools/bench_kernels.py --extend measures.
+`ragged_extend_attention` in minioverlap/engine/attention.py; tools/bench_kernels.py --extend measures it
+against chapter 18's kernel and PyTorch's SDPA. The engine's fast path (engine/triton_attention.py) still
+runs chapter 18's kernel: it takes this one once that measurement on a GPU says it should.
 """
 
 from __future__ import annotations
