@@ -223,7 +223,8 @@ def prefill_counts(monkeypatch, kernels: bool, prompts: list[list[int]]) -> tupl
             return kernel(*args, **kwargs)
         return counted_kernel
     monkeypatch.setattr(ModelRunner, "forward", counted_forward)
-    monkeypatch.setattr(triton_attention, "extend_attention", counted(extend_attention))
+    monkeypatch.setattr(triton_attention, "extend_attention", counted(extend_attention))       # the interpreter's
+    monkeypatch.setattr(triton_attention, "flash_extend_attention", counted(flash_extend_attention))   # a GPU's
     LLM(model="tiny", kernels=kernels, overlap=False, page_size=4, chunked_prefill_size=-1).generate(
         prompts, SamplingParams(max_tokens=1))
     assert len(steps) == 1, f"the prompts should be one prefill step, not {len(steps)}"

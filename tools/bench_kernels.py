@@ -231,7 +231,7 @@ def extend_variants(q, k, v, k_pool, v_pool, ix, configs: list[str]) -> dict[str
                 "ch18 kernel": lambda: extend_attention(*args),
                 "flash kernel": lambda: flash_extend_attention(*args)}
     for c in configs:
-        variants[f"flash {c}"] = lambda c=c: flash_extend_attention(*args, config=tuple(int(x) for x in c.split(",")))
+        variants[f"flash {c.replace(',', '-')}"] = lambda c=c: flash_extend_attention(*args, config=tuple(int(x) for x in c.split(",")))
     if len(ix.qo_indptr) == 2 and q.is_cuda:                     # one request: PyTorch's SDPA backends
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right

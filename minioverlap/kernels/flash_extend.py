@@ -22,8 +22,8 @@ layer's tensors, causal inside the new tokens), laid out as FlashAttention-2 lay
 Numerics as extend_kernel: dots in the pool's dtype with fp32 sums (ieee for fp32), the interpreter's
 bf16 upcast to fp32, a head_dim that is no power of two padded with masked lanes. The reference is
 `ragged_extend_attention` in minioverlap/engine/attention.py; tools/bench_kernels.py --extend measures it
-against chapter 18's kernel and PyTorch's SDPA. The engine's fast path (engine/triton_attention.py) still
-runs chapter 18's kernel: it takes this one once that measurement on a GPU says it should.
+against chapter 18's kernel and PyTorch's SDPA. The engine's fast path runs it on a GPU
+(engine/triton_attention.py); in the interpreter it runs chapter 18's kernel.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 # head_dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages), any other head_dim DEFAULT_CONFIG: FlashAttention-2's
-# Hopper tiles, each compiled for sm_90 without spills; `tools/bench_kernels.py --extend --extend-configs ...`
-# sweeps others against them on a GPU
-CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+# Hopper tiles, each compiled for sm_90 without spills; head_dim 128's stages from the sweep of
+# `tools/bench_kernels.py --extend --extend-configs ...` on an H200 (chapters/figures/18-h200-extend.json)
+CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 4)}
 DEFAULT_CONFIG = (64, 32, 4, 2)
 FP32_CONFIG = (16, 16, 4, 2)    # an fp32 pool (the CUDA suite's): exact dots on the FMA units, which spill larger tiles
 LOG2E = 1.4426950408889634
