@@ -49,7 +49,8 @@ from judging.exercises import Exercise, Hint, find_exercise, load_exercises  # n
 from judging.failures import SECTION_HEAD, Failure, covers, parse_failures, run_tests  # noqa: E402
 from judging.hints import giveaways, next_clue  # noqa: E402
 from judging.progress import load_progress, save_progress, status  # noqa: E402
-from judging.workspace import held_back, lay_workspace, overlay, stub_line, workspace  # noqa: E402
+from judging.workspace import (held_back, lay_workspace, overlay, stub_line, without_solutions,  # noqa: E402
+                               workspace)
 import steps  # noqa: E402  (tools/steps.py; importing judging put tools/ on the path)
 
 __all__ = ["Exercise", "Failure", "Hint", "JudgeError", "REPO", "SECTION_HEAD", "Verdict",
@@ -57,7 +58,7 @@ __all__ = ["Exercise", "Failure", "Hint", "JudgeError", "REPO", "SECTION_HEAD", 
            "console", "covers", "find_exercise", "giveaways", "held_back", "lay_workspace",
            "load_exercises", "load_progress", "main", "next_clue", "overlay", "parse_failures",
            "parser", "prove_references", "prove_stub", "reference_code", "report", "run_tests",
-           "save_progress", "status", "stub_line", "workspace"]
+           "save_progress", "status", "stub_line", "without_solutions", "workspace"]
 
 
 def parser() -> argparse.ArgumentParser:

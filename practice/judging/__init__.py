@@ -1,7 +1,8 @@
 """The exercise judge's modules; practice/judge.py is its command line (tools/README.md: "Where the code is").
 
     exercises.py   the registry practice/exercises.toml: Exercise, Hint, load_exercises, find_exercise
-    workspace.py   practice/workspace/ and laying an exercise's workspace there (held_back, overlay)
+    workspace.py   practice/workspace/ and laying an exercise's workspace there (held_back, overlay,
+                   without_solutions)
     progress.py    practice/workspace/progress.json and each exercise's status
     failures.py    pytest in a workspace and its output read: Failure, parse_failures, covers
     hints.py       which hint comes next, giving it, and what a hint may not say (giveaways)

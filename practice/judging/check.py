@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.markup import escape
 
 import steps  # tools/steps.py: importing judging put tools/ on the path
+from book.stages import Book  # tools/book/, beside it
 
 from . import JudgeError
 from .console import _plural, console
@@ -44,10 +45,11 @@ def cmd_check(root: Path, jobs: int, only: list[str] | None = None) -> int:
         references = build_references(root, todo, Path(tmp))
         check_test_files(todo, references)
         todo = [v for v in todo if not v.problems]
-        stubs = build_stubs(root, todo, Path(tmp))
+        book = steps.load_book(root) if todo else None   # the markers parse: no verdict says otherwise
+        stubs = build_stubs(root, book, todo, Path(tmp))
         chapters = sorted({v.ex.chapter for v in todo})
-        alone = {v.ex.id: lay_workspace(root, v.ex, Path(tmp) / f"answer-{v.ex.id}", answer=True)
-                 for v in todo if held_back(root, v.ex)}   # its reference beside the later ones' stubs
+        alone = {v.ex.id: lay_workspace(root, v.ex, Path(tmp) / f"answer-{v.ex.id}", answer=True, book=book)
+                 for v in todo if held_back(book, v.ex)}   # its reference beside the later ones' stubs
         if jobs > 1:     # runs side by side: one thread each, or torch's threads oversubscribe the cores
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:  # the pytest runs, side by side
@@ -129,12 +131,12 @@ def check_test_files(verdicts: list[Verdict], references: dict[int, Path]) -> No
                 verdict.problems.append(f"test file {path} is not in stage {verdict.ex.chapter:02d}")
 
 
-def build_stubs(root: Path, verdicts: list[Verdict], tmp: Path) -> dict[str, Path]:
+def build_stubs(root: Path, book: Book | None, verdicts: list[Verdict], tmp: Path) -> dict[str, Path]:
     stubs: dict[str, Path] = {}
     for verdict in verdicts:
         ex = verdict.ex
         try:
-            stubs[ex.id] = lay_workspace(root, ex, tmp / f"stub-{ex.id}")
+            stubs[ex.id] = lay_workspace(root, ex, tmp / f"stub-{ex.id}", book=book)
         except steps.MarkerError as error:
             verdict.problems.append(f"the stub does not build: {error}")
     return stubs

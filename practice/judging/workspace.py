@@ -1,12 +1,16 @@
-"""practice/workspace/ and an exercise's workspace there: its chapter's stage, its region stubbed, and
-the regions of the chapter's later exercises in the same file stubbed too."""
+"""practice/workspace/ and an exercise's workspace there: its chapter's stage, its region stubbed, the
+region of every later exercise that the stage holds stubbed too, and its copy of the registry without
+the solutions."""
 
 from __future__ import annotations
 
 import difflib
+import json
+import tomllib
 from pathlib import Path
 
 import steps  # tools/steps.py: importing judging put tools/ on the path
+from book.stages import Book  # tools/book/, beside it
 
 from . import JudgeError
 from .exercises import Exercise
@@ -16,31 +20,71 @@ def workspace(root: Path) -> Path:
     return root / "practice" / "workspace"
 
 
-def held_back(root: Path, ex: Exercise) -> list[str]:
-    """The exercises after `ex` in its chapter whose regions are in the file it edits. Its workspace lays
-    them as stubs too, so that the file the learner edits holds no answer of an exercise still to come
-    (17.1's radix.py holds 17.2's `RadixCache.problems`). The regions of earlier exercises, and of other
-    files, stay whole: the engine that the tests run needs them (16.2's receive step runs every request),
-    and what an earlier exercise asked the learner has written already."""
-    markers = steps.find_exercises(root)
-    if (own := markers.get(ex.id)) is None:
-        return []
-    later = [m.id for m in markers.values() if m.path == own.path and m.id != ex.id
-             and int(m.id.split(".")[0]) == ex.chapter and int(m.id.split(".")[1]) > ex.order[1]]
-    return sorted(later, key=lambda i: int(i.split(".")[1]))
+def _order(ex_id: str) -> tuple[int, int]:
+    major, minor = ex_id.split(".")
+    return int(major), int(minor)
 
 
-def lay_workspace(root: Path, ex: Exercise, dest: Path, *, answer: bool = False) -> Path:
+def held_back(book: Book, ex: Exercise) -> dict[str, list[str]]:
+    """{file: the exercises after `ex` whose regions in it `ex`'s stage holds}, in order. A learner's
+    workspace holds no answer of an exercise still to come, so these are laid as their own stubs too:
+    every later exercise of its chapter, whatever its file (16.1's workspace would hold 16.2's receive
+    step in scheduler.py, 17.1's radix.py 17.2's `RadixCache.problems`), and a later chapter's whose
+    region is already in the stage (handle_window, which chapter 09 runs and exercise 12.1 writes).
+    A later chapter's repair exercise (`from chMM`) is no answer there: its stub is old code, the code
+    the stage holds before its chapter repairs it (07.1's region in stages 04 to 06). The regions of
+    earlier exercises stay whole: what an earlier exercise asked the learner has written already."""
+    later: dict[str, list[str]] = {}
+    for rel, source in book.sources.items():
+        if book.files[rel] > ex.chapter:
+            continue
+        for block in steps.blocks(source.nodes):
+            if (not block.exercise or _order(block.exercise) <= ex.order
+                    or (block.chapter > ex.chapter and block.start is not None)):
+                continue
+            found: set[str] = set()   # the region is in the stage: rendering it there reaches it
+            steps.stage_text(book, rel, ex.chapter, stub=block.exercise, stubbed=found)
+            if block.exercise in found:
+                later.setdefault(rel, []).append(block.exercise)
+    return {rel: sorted(ids, key=_order) for rel, ids in later.items()}
+
+
+def lay_workspace(root: Path, ex: Exercise, dest: Path, *, answer: bool = False,
+                  book: Book | None = None) -> Path:
     """Exercise `ex`'s workspace in dest: its chapter's stage with its region stubbed (with `answer`,
-    its reference kept: what `check` proves its tests pass on) and the regions of held_back(ex) too."""
-    stage = steps.build_stage(root, ex.chapter, dest, stub=None if answer else ex.id)
-    if (later := held_back(root, ex)):
-        rel = str(steps.find_exercises(root)[ex.id].path)
-        book = steps.load_book(root)
-        stubs = ([] if answer else [ex.id]) + later
+    its reference kept: what `check` proves its tests pass on) and the regions of held_back(ex) too.
+    `book`: the source, already loaded (load_book), for callers that lay many."""
+    book = book or steps.load_book(root)
+    stage = steps._build(book, ex.chapter, dest, stub=None if answer else ex.id)
+    own = None if answer else next(str(b.path) for s in book.sources.values()
+                                   for b in steps.blocks(s.nodes) if b.exercise == ex.id)
+    for rel, later in held_back(book, ex).items():
+        stubs = [ex.id] * (rel == own) + later
         stubbed = [steps.stage_text(book, rel, ex.chapter, stub=other) for other in stubs]
         (stage / rel).write_text(overlay(steps.stage_text(book, rel, ex.chapter), stubbed))
+    if (registry := stage / "practice" / "exercises.toml").is_file():
+        registry.write_text(without_solutions(registry.read_text()))
     return stage
+
+
+def without_solutions(text: str) -> str:
+    """practice/exercises.toml as a workspace holds it: every exercise's last hint, its solution, replaced
+    by where to ask for it. The stage copies the registry whole, every chapter's solutions in it; a
+    learner's tree holds no answer (`hint NN.K --solution` gives it, when they decide to look)."""
+    def toml(value: object) -> str:        # a JSON string or list of strings is TOML too
+        if isinstance(value, dict):
+            return "{ " + ", ".join(f"{key} = {toml(item)}" for key, item in value.items()) + " }"
+        return json.dumps(value, ensure_ascii=False)
+
+    out = ["# The exercises of practice/exercises.toml, each one's solution left out: run",
+           "# `python practice/judge.py hint NN.K --solution` in the repository for it.", ""]
+    for entry in tomllib.loads(text).get("exercise", []):
+        hints = list(entry.get("hints", []))
+        if hints:
+            hints[-1] = f"the solution: python practice/judge.py hint {entry.get('id')} --solution"
+        out += ["[[exercise]]"] + [f"{key} = {toml(value)}" for key, value in entry.items() if key != "hints"]
+        out += ["hints = ["] + [f"    {toml(hint)}," for hint in hints] + ["]", ""]
+    return "\n".join(out)
 
 
 def overlay(base: str, variants: list[str]) -> str:

@@ -236,6 +236,20 @@ def test_start_twice_without_force_refuses_and_keeps_the_learners_file(book_copy
     assert STUB in (book_copy / WORKFILE).read_text()
 
 
+def test_the_workspace_s_registry_holds_every_hint_but_the_solution(book_copy, capsys):
+    """The stage copies practice/exercises.toml whole; a workspace's copy keeps the exercises, their
+    tests and hints, and in place of each solution says where to ask for it. `hint --solution` still
+    gives it (it reads the repository's registry)."""
+    run(capsys, book_copy, "start", "02.1")
+    copy = (book_copy / "practice/workspace/02.1/practice/exercises.toml").read_text()
+    assert "str.upper() gives the capitals." in copy and TEST_NODE in copy
+    assert "Then add one '!'." not in copy
+    assert "python practice/judge.py hint 02.1 --solution" in copy
+    assert judge.load_exercises(book_copy / "practice/workspace/02.1")[0].tests == [TEST_NODE]
+    _, out, _ = run(capsys, book_copy, "hint", "02.1", "--solution")
+    assert "Then add one '!'." in out
+
+
 def test_unknown_exercise_is_an_error_naming_the_known_ones(book_copy, capsys):
     """A wrong id names itself and the ids that exist."""
     code, out, err = run(capsys, book_copy, "test", "09.9")
@@ -406,3 +420,35 @@ def test_check_fails_when_a_listed_test_file_is_not_in_the_stage(book_copy, caps
     code, out, _ = run(capsys, book_copy, "check")
     assert code == 1
     assert "test file tests/test_ch03_fixes.py is not in stage 02" in out
+
+
+
+# ---------------------------------------------------------------- a workspace holds no answer still to come
+
+
+def squeezed(lines: list[str]) -> str:
+    """Lines without their indentation and without blank ones: a region compared wherever it is laid."""
+    return "\n".join(line.strip() for line in lines if line.strip())
+
+
+def test_no_workspace_holds_the_answer_of_an_exercise_still_to_come(tmp_path):
+    """Every exercise of the book, its workspace laid as `start` lays it: no file of it (code, chapters,
+    registries) holds the reference region of a later exercise, the region as its own chapter's stage
+    holds it, indentation aside; nor a later exercise's solution, its last hint. The later exercises are
+    those after it in the book's order: of its chapter, in any file (16.1's workspace held 16.2's
+    receive step in scheduler.py, 18.1's, 19.1's and 20.1's the next exercise's answer in another file),
+    and of a later chapter whose region the stage already holds (handle_window, 12.1's answer, is
+    chapter 09's code). Every workspace held every solution in its copy of practice/exercises.toml."""
+    book = judge.steps.load_book(REPO)
+    exercises, code = judge.load_exercises(REPO), judge.reference_code(REPO)
+    leaks = []
+    for ex in exercises:
+        stage = judge.lay_workspace(REPO, ex, tmp_path / ex.id, book=book)
+        texts = {path.relative_to(stage).as_posix(): path.read_text() for path in stage.rglob("*")
+                 if path.suffix in (".py", ".md", ".toml") and path.is_file()}
+        flat = {rel: squeezed(text.splitlines()) for rel, text in texts.items()}
+        for later in (other for other in exercises if other.order > ex.order):
+            region, solution = squeezed(code[later.id]), later.solution.text
+            leaks += [f"{ex.id}: {later.id}'s answer in {rel}" for rel, text in flat.items() if region in text]
+            leaks += [f"{ex.id}: {later.id}'s solution in {rel}" for rel, text in texts.items() if solution in text]
+    assert not leaks, "answers still to come in a workspace:\n" + "\n".join(leaks)
