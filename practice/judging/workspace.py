@@ -29,18 +29,17 @@ def held_back(book: Book, ex: Exercise) -> dict[str, list[str]]:
     """{file: the exercises after `ex` whose regions in it `ex`'s stage holds}, in order. A learner's
     workspace holds no answer of an exercise still to come, so these are laid as their own stubs too:
     every later exercise of its chapter, whatever its file (16.1's workspace would hold 16.2's receive
-    step in scheduler.py, 17.1's radix.py 17.2's `RadixCache.problems`), and a later chapter's whose
-    region is already in the stage (handle_window, which chapter 09 runs and exercise 12.1 writes).
-    A later chapter's repair exercise (`from chMM`) is no answer there: its stub is old code, the code
-    the stage holds before its chapter repairs it (07.1's region in stages 04 to 06). The regions of
-    earlier exercises stay whole: what an earlier exercise asked the learner has written already."""
+    step in scheduler.py, 17.1's radix.py 17.2's `RadixCache.problems`). A later chapter's exercise
+    whose region the stage already holds is code an earlier chapter wrote and the engine runs there
+    (handle_window: chapter 09 runs it, exercise 12.1 has it written again where the overlap loop makes
+    it matter): stubbed, it would stop every step of the stage, so it stays. The regions of earlier
+    exercises stay whole: what an earlier exercise asked the learner has written already."""
     later: dict[str, list[str]] = {}
     for rel, source in book.sources.items():
         if book.files[rel] > ex.chapter:
             continue
         for block in steps.blocks(source.nodes):
-            if (not block.exercise or _order(block.exercise) <= ex.order
-                    or (block.chapter > ex.chapter and block.start is not None)):
+            if not block.exercise or _order(block.exercise) <= ex.order or _order(block.exercise)[0] > ex.chapter:
                 continue
             found: set[str] = set()   # the region is in the stage: rendering it there reaches it
             steps.stage_text(book, rel, ex.chapter, stub=block.exercise, stubbed=found)

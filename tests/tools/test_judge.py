@@ -426,6 +426,10 @@ def test_check_fails_when_a_listed_test_file_is_not_in_the_stage(book_copy, caps
 # ---------------------------------------------------------------- a workspace holds no answer still to come
 
 
+# later chapters' exercises whose regions are an earlier chapter's code, which its stages run
+EARLIER_CODE = {"12.1"}
+
+
 def squeezed(lines: list[str]) -> str:
     """Lines without their indentation and without blank ones: a region compared wherever it is laid."""
     return "\n".join(line.strip() for line in lines if line.strip())
@@ -435,10 +439,11 @@ def test_no_workspace_holds_the_answer_of_an_exercise_still_to_come(tmp_path):
     """Every exercise of the book, its workspace laid as `start` lays it: no file of it (code, chapters,
     registries) holds the reference region of a later exercise, the region as its own chapter's stage
     holds it, indentation aside; nor a later exercise's solution, its last hint. The later exercises are
-    those after it in the book's order: of its chapter, in any file (16.1's workspace held 16.2's
-    receive step in scheduler.py, 18.1's, 19.1's and 20.1's the next exercise's answer in another file),
-    and of a later chapter whose region the stage already holds (handle_window, 12.1's answer, is
-    chapter 09's code). Every workspace held every solution in its copy of practice/exercises.toml."""
+    those after it in the book's order, of its chapter, in any file (16.1's workspace held 16.2's
+    receive step in scheduler.py, 18.1's, 19.1's and 20.1's the next exercise's answer in another file).
+    A later chapter's region that the stage holds is code an earlier chapter runs (handle_window, 12.1's
+    answer, is chapter 09's): it stays, and no other case of it is allowed to appear unnoticed. Every
+    workspace held every solution in its copy of practice/exercises.toml."""
     book = judge.steps.load_book(REPO)
     exercises, code = judge.load_exercises(REPO), judge.reference_code(REPO)
     leaks = []
@@ -449,6 +454,8 @@ def test_no_workspace_holds_the_answer_of_an_exercise_still_to_come(tmp_path):
         flat = {rel: squeezed(text.splitlines()) for rel, text in texts.items()}
         for later in (other for other in exercises if other.order > ex.order):
             region, solution = squeezed(code[later.id]), later.solution.text
+            if later.chapter > ex.chapter and later.id in EARLIER_CODE:
+                region = "\0"                          # the stage runs it: no leak to look for
             leaks += [f"{ex.id}: {later.id}'s answer in {rel}" for rel, text in flat.items() if region in text]
             leaks += [f"{ex.id}: {later.id}'s solution in {rel}" for rel, text in texts.items() if solution in text]
     assert not leaks, "answers still to come in a workspace:\n" + "\n".join(leaks)
