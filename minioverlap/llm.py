@@ -146,15 +146,9 @@ class LLM(Engine):
         # <<< ch06
         try:
             yield from replies
-        # >>> ch17 replaces ch04: abandoned on the schedule stream, as the loop runs (not on a GPU's default stream)
-        #| except BaseException:                    # GeneratorExit (the consumer left) included
-        #|     self.scheduler.abandon()
-        #|     raise
         except BaseException:                    # GeneratorExit (the consumer left) included
-            with self.runner.schedule_stream():  # its writes (a freed row rewritten, its pages into the tree)
-                self.scheduler.abandon()         # follow the run's and precede the next run's, on the device too
+            self.scheduler.abandon()
             raise
-        # <<< ch17
         finally:
             self.serving = False
 

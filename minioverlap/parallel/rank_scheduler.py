@@ -68,12 +68,10 @@ class RankScheduler(Scheduler):
 
     def abandon(self) -> None:
         """Scheduler.abandon, on every rank: rank 0 tells the other ranks to abandon the run too, in the inbox
-        they are waiting for. On the schedule stream, as LLM abandons a run (chapter 17): the frees rewrite
-        the requests' rows, and the next run's writes must follow them on the device."""
+        they are waiting for."""
         if not self.following:
             self.inbox = deque(self.share([*self.inbox, ("abandon", None)]))
-        with self.runner.schedule_stream():
-            super().abandon()
+        super().abandon()
 
     def fingerprint(self, inbox: list) -> int:
         """A checksum of what every rank's scheduler must hold alike as an iteration starts: the inbox it is

@@ -324,17 +324,26 @@ class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
     def abandon(self) -> None:
         """The run's caller left, or a step failed: abort every request and handle the steps still in
         flight (07), dropping all replies. Nothing stays queued, running or held. (From chapter 20 rank 0
-        tells the other ranks to do the same: RankScheduler.abandon.)"""
-        self.receive()
-        for req in [*self.waiting, *self.running]:
-            self.abort_now(req)
-        # >>> ch19: and those whose grammar compiles
-        for req in list(self.grammars.queue):
-            self.abort_now(req)
-        # <<< ch19
-        # >>> ch07: a step in flight is handled: its aborted requests' results are dropped (stale-reply)
-        for out in list(self.in_flight):
-            self.wait(out)
-            self.process(out)
-        # <<< ch07
+        tells the other ranks to do the same: RankScheduler.abandon.) From chapter 06 on the schedule
+        stream, as an iteration is, whoever calls it: its frees write shared tables (from chapter 17 a
+        freed row is rewritten, its pages given to the tree), and the next run's writes must follow them
+        on the device; a caller's own stream, a GPU's default one, is in no order with the engine's two."""
+        # >>> ch06 replaces ch04: on the schedule stream
+        #| self.receive()
+        #| for req in [*self.waiting, *self.running]:
+        #|     self.abort_now(req)
+        with self.runner.schedule_stream():
+            self.receive()
+            for req in [*self.waiting, *self.running]:
+                self.abort_now(req)
+            # >>> ch19: and those whose grammar compiles
+            for req in list(self.grammars.queue):
+                self.abort_now(req)
+            # <<< ch19
+            # >>> ch07: a step in flight is handled: its aborted requests' results are dropped (stale-reply)
+            for out in list(self.in_flight):
+                self.wait(out)
+                self.process(out)
+            # <<< ch07
+        # <<< ch06
 
