@@ -224,4 +224,9 @@ def over_ranks(**options):
         yield llm
     finally:
         llm.shutdown()
+    assert_no_rank_left(llm, procs)
+
+
+def assert_no_rank_left(llm, procs: list) -> None:
+    """The engine shut down its ranks, and every rank process (`procs`, taken when it started) has ended."""
     assert llm.ranks is None and procs and not [p for p in procs if p.is_alive()]

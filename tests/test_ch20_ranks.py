@@ -16,7 +16,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from conftest import no_hang, over_ranks
+from conftest import assert_no_rank_left, no_hang, over_ranks
 from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.constrained.grammar import GrammarBackend
@@ -37,10 +37,6 @@ RUN_S = 120                                                # no run of these tes
 def tokens_of(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
     with no_hang(RUN_S):
         return [o.token_ids for o in llm.generate(prompts, params)]
-
-
-def assert_no_rank_left(llm: LLM, procs: list) -> None:
-    assert llm.ranks is None and procs and not [p for p in procs if p.is_alive()]
 
 
 @pytest.fixture(scope="module")
