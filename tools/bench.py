@@ -6,6 +6,7 @@
     python tools/bench.py --report runs/bench.json               # no GPU: the table, and runs/bench.png, of a recorded run
     python tools/bench.py --shapes 8b --batches 1 --profile --chrome trace.json   # where a step's time goes
     python tools/bench.py --shapes tiny --mtp 3             # plain against MTP, the tiny model's own drafts
+    python tools/bench.py --shapes 8b --first-token 1024 4096 16384 32768 --cache-dir /tmp/ckpt --out first.json
 
 Each model shape is a random-weight Qwen3 checkpoint in bf16 with the real shapes (Qwen3-0.6B, Qwen3-8B),
 made with transformers and saved to --cache-dir (reused there by later commands); the tiny shape is the
@@ -38,6 +39,21 @@ costliest by name; and the host's side of the same step on the fast path, plain 
 (`profile_host`): its work per step, and the Python functions with the most time of their own.
 --chrome FILE writes both loops' event traces at batch 1 with graphs on the reference path (the first
 shape) as Chrome trace-event JSON, the file chapter 06's notebook draws.
+
+--first-token N [N ...] runs, instead of the batch table, the first token alone (the prefill and its
+token) of one prompt of N random tokens at batch 1, for each N: transformers with its default
+attention, asked for by name (hf-eager, attn_implementation="sdpa", recorded in the header), and
+minioverlap's overlap loop with graphs on the reference path (overlap-graphs) and on the fast path,
+whose prefill runs the extend kernel (overlap-kernels); --systems picks among these three. Each engine
+takes the whole prompt in one step (chunked_prefill_size=-1: the number is the whole prefill), without
+the prefix cache (the same prompt repeats), with room for the longest N. Each is warmed up untimed,
+then they take turns for --repeats timed runs (ms_first: the median, ms_all: every run). Then, for
+each N >= 4096, each minioverlap system runs the prompt again in chunks of --chunk tokens, one step a
+chunk (an untimed run, then the one recorded), and chunk_ms is each step's GPU time, the span between
+the CUDA timing events the engine records around every step on its forward stream (Trace.gpu): the
+first chunk attends to no prefix, the last to the longest, so last/first is what the prefix adds to a
+chunk. The rows go under "first_token" in --out, merged as the batch table's are, and the report
+gives one table per shape, with the ratio to hf-eager at the same length.
 """
 
 from __future__ import annotations
@@ -59,6 +75,8 @@ import torch
 SYSTEMS = ("hf-eager", "hf-compile", "normal-eager", "overlap-eager", "normal-graphs", "overlap-graphs",
            "normal-graphs-mtp", "overlap-graphs-mtp",
            "normal-kernels", "overlap-kernels", "normal-kernels-mtp", "overlap-kernels-mtp")
+FIRST_TOKEN_SYSTEMS = ("hf-eager", "overlap-graphs", "overlap-kernels")   # what --first-token runs
+CHUNKED_FROM = 4096                      # --first-token: the shortest prompt also run in chunks of --chunk
 DATASHEET_BPS = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}   # HBM bytes/s by the device's name (SXM parts)
 COMMON = dict(head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
               rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=151643, eos_token_id=151645)
@@ -344,16 +362,28 @@ class MergeError(ValueError):
     """Two runs that cannot share a table."""
 
 
+def first_order(r: dict) -> tuple:
+    shapes = list(SHAPES)
+    return (shapes.index(r["shape"]) if r["shape"] in shapes else len(shapes), r["shape"], r["prompt"],
+            SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS), r["system"])
+
+
 def merge(old: dict | None, new: dict) -> dict:
-    """new's results added to old's, a configuration measured again replacing its old row; the header
-    (versions, copy bandwidth) is new's. Another device, prompt length or token count does not mix: MergeError."""
+    """new's rows added to old's, a configuration measured again replacing its old row: the batch table's
+    (results, by shape, batch and system) and the first-token sweep's (first_token, by shape, prompt and
+    system); the header (versions, copy bandwidth, attention) is new's. Another device does not mix, nor,
+    between two batch tables, another prompt length or token count: MergeError."""
     if old is None:
         return new
-    for key in ("device", "prompt", "tokens"):
+    for key in ("device", "prompt", "tokens") if "results" in old and "results" in new else ("device",):
         if old.get(key) != new.get(key):
             raise MergeError(f"the recorded run has {key} {old.get(key)!r}, this one {new.get(key)!r}: use another --out")
-    rows = {order(r): r for r in old["results"]} | {order(r): r for r in new["results"]}
-    return {**old, **new, "results": [rows[k] for k in sorted(rows)]}
+    merged = {**old, **new}
+    for field, key in (("results", order), ("first_token", first_order)):
+        if field in merged:
+            rows = {key(r): r for r in old.get(field, [])} | {key(r): r for r in new.get(field, [])}
+            merged[field] = [rows[k] for k in sorted(rows)]
+    return merged
 
 
 def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
@@ -362,6 +392,8 @@ def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
     from transformers import AutoModelForCausalLM
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    if args.first_token:
+        return first_token(args, out, cache)
     bw = copy_bandwidth()
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
               "copy_GBps": round(bw / 1e9, 1), "prompt": args.prompt, "tokens": args.tokens}
@@ -400,6 +432,101 @@ def bench(args: argparse.Namespace, out: Path, cache: Path) -> dict:
     return record
 
 
+def first_token(args: argparse.Namespace, out: Path, cache: Path) -> dict:
+    """For each shape: the first token of a prompt of each --first-token length, the systems taking turns;
+    then each minioverlap system's runs in chunks (lengths >= CHUNKED_FROM). Merged into `out` after each."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "transformers": transformers.__version__, "hf_attention": "sdpa"}
+    record = merge(load(out), {**header, "first_token": []})         # a mismatch stops the run before it starts
+    longest = max(args.first_token)
+    for shape in args.shapes:
+        path = make_checkpoint(shape, cache)
+        hf = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
+                                                   attn_implementation=header["hf_attention"]).eval()
+              if "hf-eager" in args.systems else None)
+        engines = {s: first_token_engine(path, s, longest) for s in args.systems if s != "hf-eager"}
+        rows = {}
+        for prompt in args.first_token:
+            prompts = make_prompts(shape, path, 1, prompt)
+            runs = {s: hf_system(hf, prompts, 1, compiled=False)[0] if s == "hf-eager" else
+                    first_token_run(engines[s], prompts) for s in args.systems}
+            ms = race_first(runs, args.repeats)
+            rows |= {(prompt, s): first_token_row(shape, prompt, s, ms[s], args.chunk) for s in args.systems}
+            record = save(out, merge(record, {**header, "first_token": list(rows.values())}))
+            print(f"{shape} first token, {prompt}-token prompt: " +
+                  ", ".join(f"{s} {rows[prompt, s]['ms_first']:.1f} ms" for s in args.systems), flush=True)
+        del hf, engines, runs
+        free()
+        for s in (s for s in args.systems if s != "hf-eager"):
+            llm = first_token_engine(path, s, longest, args.chunk)        # one engine at a time: the memory
+            for prompt in (p for p in args.first_token if p >= CHUNKED_FROM):
+                rows[prompt, s]["chunk_ms"] = chunk_ms(llm, make_prompts(shape, path, 1, prompt), args.chunk)
+            record = save(out, merge(record, {**header, "first_token": list(rows.values())}))
+            del llm
+            free()
+    return record
+
+
+def first_token_engine(path: Path, name: str, longest: int, chunk: int = -1):
+    """An overlap-loop engine at batch 1 with graphs, on the reference path or (overlap-kernels) the fast
+    one, taking a prompt in chunks of `chunk` tokens (-1: whole, in one step)."""
+    from minioverlap import LLM
+    # prefix_cache=False: the same prompt runs again and again, and transformers prefills it every time
+    return LLM(model=str(path), device="cuda", dtype="bfloat16", overlap=True, cuda_graphs=True,
+               kernels=name == "overlap-kernels", max_running=1, max_seq_len=longest + 1 + 16, prefix_cache=False,
+               chunked_prefill_size=chunk)
+
+
+def first_token_run(llm, prompts: list[list[int]]):
+    """A run of the prompt to its first token."""
+    from minioverlap import SamplingParams
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def run() -> None:
+        assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [1]
+    return run
+
+
+def race_first(runs: dict, repeats: int) -> dict[str, list[float]]:
+    """As race: one untimed warm-up each, then `repeats` rounds taking turns -> ms of each timed run."""
+    for run in runs.values():
+        run()
+    ms: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            ms[name].append(timed(run) * 1e3)
+    return ms
+
+
+def first_token_row(shape: str, prompt: int, system: str, ms_all: list[float], chunk: int) -> dict:
+    return {"shape": shape, "prompt": prompt, "system": system, "ms_first": rounded(median_or_none(ms_all)),
+            "ms_all": [rounded(ms) for ms in ms_all], "chunk": chunk}
+
+
+def chunk_ms(llm, prompts: list[list[int]], chunk: int) -> list[float]:
+    """The GPU ms of each step of a run of the prompt in chunks (the engine's chunk size), after an untimed one."""
+    run = first_token_run(llm, prompts)
+    run()
+    run()
+    return step_ms(llm.trace, math.ceil(len(prompts[0]) / chunk))
+
+
+def step_ms(trace, steps: int) -> list[float]:
+    """Each step's GPU ms, from the spans the engine records in trace.gpu on a GPU; a run in chunks has a
+    step per chunk, the last sampling the token, and no other."""
+    spans = [end - start for _, (start, end) in sorted(trace.gpu.items())]
+    if len(spans) != steps:
+        raise RuntimeError(f"a run of {steps} chunks has GPU spans of {len(spans)} steps")
+    return [rounded(ms) for ms in spans]
+
+
+def save(out: Path, record: dict) -> dict:
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -409,11 +536,12 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def report(record: dict) -> None:
-    """One rich table per shape: rows batch x system, with the tokens/s ratio to hf-compile at the same batch."""
+    """One rich table per shape: rows batch x system, with the tokens/s ratio to hf-compile at the same batch;
+    then, for a first-token sweep, one per shape of its rows (report_first_token)."""
     from rich.console import Console
     from rich.table import Table
     console = Console(width=None if sys.stdout.isatty() else 160)
-    results = sorted(record["results"], key=order)
+    results = sorted(record.get("results", []), key=order)
     base = {(r["shape"], r["batch"]): r["tok_s"] for r in results if r["system"] == "hf-compile"}
     for shape in dict.fromkeys(r["shape"] for r in results):
         rows = [r for r in results if r["shape"] == shape]
@@ -453,6 +581,36 @@ def report(record: dict) -> None:
                           f"ms of host work a step; under cProfile, the functions with the most time of their own:")
             for k in prof["top"]:
                 console.print(f"  {k['ms_per_step']:7.3f} ms  {k['calls_per_step']:6.1f} x  {k['function']}")
+    if "first_token" in record:
+        report_first_token(console, record)
+
+
+def report_first_token(console, record: dict) -> None:
+    """One table per shape: rows prompt length x system, the first token's ms and its ratio to hf-eager at
+    the same length; for rows run in chunks, the first and the last chunk's GPU ms and last/first."""
+    from rich.table import Table
+    rows = sorted(record["first_token"], key=first_order)
+    base = {(r["shape"], r["prompt"]): r["ms_first"] for r in rows if r["system"] == "hf-eager"}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == shape]
+        chunks = sorted({r["chunk"] for r in mine if r.get("chunk_ms")})
+        weights = "trained weights (the shipped model)" if shape == "tiny" else "random weights"
+        caption = (f"{record['device']}, torch {record['torch']}, transformers {record['transformers']} "
+                   f"({record.get('hf_attention', '-')} attention); batch 1, one new token, the prompt in one step; "
+                   f"medians" + (f"; in chunks of {', '.join(map(str, chunks))} tokens: one run's GPU ms of the first "
+                                 "chunk step (no prefix) and of the last (the longest prefix)" if chunks else ""))
+        table = Table(title=f"Qwen3-{shape} shape, {weights}, bf16: the first token (the prefill) by prompt length",
+                      caption=caption)
+        for name in ["prompt", "system", "first ms", "x hf-eager"] + ["first chunk ms", "last chunk ms",
+                                                                       "last/first"] * bool(chunks):
+            table.add_column(name, justify="left" if name == "system" else "right")
+        for i, r in enumerate(mine):
+            ratio = r["ms_first"] / base[shape, r["prompt"]] if (shape, r["prompt"]) in base else None
+            first, last = (r["chunk_ms"][0], r["chunk_ms"][-1]) if r.get("chunk_ms") else (None, None)
+            cells = [str(r["prompt"]), r["system"], fmt(r["ms_first"], ".1f"), fmt(ratio, ".2f", "x"),
+                     *[fmt(first, ".1f"), fmt(last, ".1f"), fmt(first and last / first, ".2f", "x")] * bool(chunks)]
+            table.add_row(*cells, end_section=i + 1 == len(mine) or mine[i + 1]["prompt"] != r["prompt"])
+        console.print(table)
 
 
 def plot(record: dict, path: Path) -> None:
@@ -505,15 +663,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive, default=3, help="timed runs of each, taking turns")
     parser.add_argument("--mtp", type=positive, default=3, metavar="K",
                         help="tokens the -mtp systems draft a step, on shapes with an MTP layer (default 3)")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), metavar="SYSTEM",
-                        help=f"what runs: {', '.join(SYSTEMS)} (default all)")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, metavar="SYSTEM",
+                        help=f"what runs: {', '.join(SYSTEMS)} (default all; with --first-token, "
+                             f"{', '.join(FIRST_TOKEN_SYSTEMS)})")
+    parser.add_argument("--first-token", nargs="+", type=positive, metavar="N",
+                        help="instead of the batch table: the first token of one prompt of each length N, batch 1")
+    parser.add_argument("--chunk", type=positive, default=2048,
+                        help=f"with --first-token: the chunk of the chunked runs, for N >= {CHUNKED_FROM} (default 2048)")
     parser.add_argument("--cache-dir", help="where the checkpoints are made and kept for later runs (default: a temp dir, removed)")
     parser.add_argument("--out", default="bench.json", help="the JSON the results are merged into")
     parser.add_argument("--png", help="the plot (default: beside the JSON, --out's or --report's, ending .png)")
     parser.add_argument("--profile", action="store_true", help="also profile one graphed decode step per shape")
     parser.add_argument("--chrome", metavar="FILE", help="also write both loops' traces (first shape, batch 1, graphs)")
     parser.add_argument("--report", metavar="FILE", help="no run: print the table (and plot) of a recorded JSON")
-    return parser.parse_args(argv)
+    return checked_systems(parser, parser.parse_args(argv))
+
+
+def checked_systems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """--systems by mode, all of a mode's by default: the batch table runs any of SYSTEMS, --first-token
+    only FIRST_TOKEN_SYSTEMS, and profiles nothing (--profile and --chrome profile decode steps)."""
+    if not args.first_token:
+        args.systems = args.systems or list(SYSTEMS)
+        return args
+    wrong = [s for s in args.systems or [] if s not in FIRST_TOKEN_SYSTEMS]
+    if wrong:
+        parser.error(f"argument --systems: with --first-token, choose from {', '.join(FIRST_TOKEN_SYSTEMS)}, "
+                     f"not {wrong[0]!r}")
+    if args.profile or args.chrome:
+        parser.error("argument --first-token: not with --profile or --chrome, which profile the batch table's decode steps")
+    args.systems = args.systems or list(FIRST_TOKEN_SYSTEMS)
+    return args
 
 
 def shape_by_shape(args: argparse.Namespace) -> dict:
@@ -522,7 +701,8 @@ def shape_by_shape(args: argparse.Namespace) -> dict:
     for i, shape in enumerate(args.shapes):
         cmd = [sys.executable, __file__, "--shapes", shape, "--batches", *map(str, args.batches),
                "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-               "--mtp", str(args.mtp),
+               "--mtp", str(args.mtp), *(["--first-token", *map(str, args.first_token)] if args.first_token else []),
+               "--chunk", str(args.chunk),
                "--systems", *args.systems, "--out", args.out, *(["--png", args.png] if args.png else []),
                *(["--cache-dir", args.cache_dir] if args.cache_dir else []), *(["--profile"] if args.profile else []),
                *(["--chrome", args.chrome] if args.chrome and i == 0 else [])]
@@ -548,7 +728,8 @@ def main(argv: list[str] | None = None) -> None:
         except MergeError as e:
             raise SystemExit(f"--out {args.out}: {e}") from e
     report(record)
-    plot(record, png_path(args))
+    if record.get("results"):                 # a first-token sweep alone has no batch sizes to plot
+        plot(record, png_path(args))
 
 
 def png_path(args: argparse.Namespace) -> Path:

@@ -1,7 +1,8 @@
 """tools/bench.py on a CPU: the report of a recorded run, merging runs, and the argument checks.
 
-The fixture tests/tools/fixtures/bench_format.json is hand-written in the format a GPU run records
-(its "note" says so); the benchmark itself needs a CUDA GPU and is not run here.
+The fixtures tests/tools/fixtures/bench_format.json (the batch table) and bench_first_token.json (the
+--first-token sweep) are hand-written in the format a GPU run records (their "note" says so); the
+benchmark itself needs a CUDA GPU and is not run here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench.py"
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "bench_format.json"
+FIRST_TOKEN = FIXTURE.with_name("bench_first_token.json")
 
 
 def run_bench(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -307,3 +309,130 @@ def test_without_cuda_and_without_report_exits_1_with_a_message():
     done = run_bench("--batches", "1", "--tokens", "4")
     assert done.returncode == 1
     assert "needs a CUDA GPU; --report FILE reads a recorded run" in done.stderr
+
+
+def test_report_of_a_first_token_sweep_alone_gives_the_ratio_to_hf_eager_and_the_chunks(tmp_path):
+    """The fixture has no batch table: the report prints the sweep's table and exits 0, with no plot.
+    8b at 16384 tokens: overlap-kernels 430 ms against hf-eager's 656 -> 0.66x; its chunks of 2048 tokens,
+    58.0 ms the first and 70.0 the last -> 1.21x; at 1024 tokens, run whole only, 60 / 95 -> 0.63x."""
+    record = json.loads(FIRST_TOKEN.read_text())
+    assert record["note"] == "format fixture for tests, not a measurement" and "results" not in record
+    done = run_bench("--report", str(FIRST_TOKEN), "--png", str(tmp_path / "plot.png"))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "Qwen3-8b shape, random weights, bf16: the first token (the prefill) by prompt length" in out
+    assert "GB read per step" not in out and not (tmp_path / "plot.png").exists() and "wrote" not in out
+    assert cells(out, "16384", "overlap-kernels") == ["16384", "overlap-kernels", "430.0", "0.66x", "58.0", "70.0", "1.21x"]
+    assert cells(out, "16384", "overlap-graphs") == ["16384", "overlap-graphs", "905.0", "1.38x", "62.0", "136.4", "2.20x"]
+    assert cells(out, "16384", "hf-eager") == ["16384", "hf-eager", "656.0", "1.00x", "-", "-", "-"]
+    assert cells(out, "1024", "overlap-kernels") == ["1024", "overlap-kernels", "60.0", "0.63x", "-", "-", "-"]
+    assert "(sdpa attention)" in out and "in chunks of 2048 tokens" in out
+
+
+def test_report_of_both_modes_prints_both_tables(capsys):
+    bench = load_bench()
+    record = json.loads(FIXTURE.read_text()) | {"first_token": json.loads(FIRST_TOKEN.read_text())["first_token"][:3]}
+    bench.report(record)
+    out = capsys.readouterr().out
+    assert "15.14 GB read per step" in out and "1.19x" in line_of(out, "overlap-graphs", "262")
+    assert cells(out, "1024", "overlap-graphs") == ["1024", "overlap-graphs", "88.0", "0.93x"]   # no chunk columns
+    assert "in chunks" not in out
+
+
+def test_merge_of_first_token_rows_replaces_a_remeasured_row_and_keeps_the_rest():
+    bench = load_bench()
+    old = json.loads(FIRST_TOKEN.read_text())
+    again = dict(old["first_token"][5], ms_first=420.0, chunk_ms=[57.0, 69.0])       # 8b, 16384, overlap-kernels
+    longer = dict(old["first_token"][2], prompt=4096, ms_first=150.0)
+    new = {**{k: v for k, v in old.items() if k not in ("note", "first_token")}, "torch": "2.12.0",
+           "first_token": [again, longer]}
+    merged = bench.merge(old, new)
+    assert merged["torch"] == "2.12.0" and merged["note"] == old["note"] and "results" not in merged
+    keys = [(r["shape"], r["prompt"], r["system"]) for r in merged["first_token"]]
+    assert keys == [("8b", 1024, "hf-eager"), ("8b", 1024, "overlap-graphs"), ("8b", 1024, "overlap-kernels"),
+                    ("8b", 4096, "overlap-kernels"), ("8b", 16384, "hf-eager"), ("8b", 16384, "overlap-graphs"),
+                    ("8b", 16384, "overlap-kernels")]
+    assert merged["first_token"][6] == again and merged["first_token"][3] == longer
+    assert merged["first_token"][:3] == old["first_token"][:3] and merged["first_token"][4:6] == old["first_token"][3:5]
+    with pytest.raises(bench.MergeError, match="device 'NVIDIA H200'"):
+        bench.merge(old, {**new, "device": "NVIDIA H100 80GB HBM3"})
+
+
+def test_a_first_token_sweep_merges_into_a_batch_table_of_the_same_device():
+    """The sweep has no prompt length or token count of its own: the batch table's stay, its rows untouched."""
+    bench = load_bench()
+    table, sweep = json.loads(FIXTURE.read_text()), json.loads(FIRST_TOKEN.read_text())
+    merged = bench.merge(table, sweep)
+    assert (merged["prompt"], merged["tokens"], merged["hf_attention"]) == (64, 128, "sdpa")
+    assert merged["results"] == table["results"] and merged["first_token"] == sweep["first_token"]
+    assert bench.merge(merged, {**table, "results": table["results"][:1]})["first_token"] == sweep["first_token"]
+    with pytest.raises(bench.MergeError, match="device"):
+        bench.merge(table, {**sweep, "device": "NVIDIA A100-SXM4-80GB"})
+
+
+def test_first_token_rows_and_the_chunk_steps_gpu_ms():
+    """first_token_row: the median of the runs; step_ms: each step's span of trace.gpu (ms, in step order),
+    one per chunk, or a RuntimeError when the trace has another number of steps."""
+    from minioverlap.device.trace import Trace
+    bench = load_bench()
+    assert bench.first_token_row("8b", 16384, "overlap-kernels", [431.25, 429.5, 430.0], 2048) == {
+        "shape": "8b", "prompt": 16384, "system": "overlap-kernels", "ms_first": 430.0,
+        "ms_all": [431.25, 429.5, 430.0], "chunk": 2048}
+    trace = Trace()
+    trace.gpu = {2: (58.5, 120.0), 1: (0.0, 58.0), 3: (120.25, 190.25)}
+    assert bench.step_ms(trace, 3) == [58.0, 61.5, 70.0]
+    with pytest.raises(RuntimeError, match="a run of 4 chunks has GPU spans of 3 steps"):
+        bench.step_ms(trace, 4)
+
+
+@pytest.mark.parametrize("name, chunk, kernels", [("overlap-kernels", -1, True), ("overlap-graphs", 2048, False)])
+def test_a_first_token_engine_takes_the_prompt_whole_or_in_chunks_without_the_prefix_cache(monkeypatch, name, chunk,
+                                                                                            kernels):
+    import minioverlap
+    seen = {}
+    monkeypatch.setattr(minioverlap, "LLM", lambda **kw: seen.update(kw))
+    load_bench().first_token_engine(Path("ckpt"), name, 32768, chunk)
+    assert seen == {"model": "ckpt", "device": "cuda", "dtype": "bfloat16", "overlap": True, "cuda_graphs": True,
+                    "kernels": kernels, "max_running": 1, "max_seq_len": 32768 + 1 + 16, "prefix_cache": False,
+                    "chunked_prefill_size": chunk}
+
+
+def test_first_token_arguments_pick_the_sweep_s_systems():
+    bench = load_bench()
+    args = bench.parse_args(["--first-token", "1024", "16384"])
+    assert (args.first_token, args.chunk, args.systems) == ([1024, 16384], 2048, ["hf-eager", "overlap-graphs",
+                                                                                  "overlap-kernels"])
+    args = bench.parse_args(["--first-token", "4096", "--systems", "overlap-kernels", "hf-eager", "--chunk", "1024"])
+    assert (args.systems, args.chunk) == (["overlap-kernels", "hf-eager"], 1024)
+    assert bench.parse_args([]).systems == list(bench.SYSTEMS) and bench.parse_args([]).first_token is None
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--first-token", "0"], "argument --first-token: must be an integer >= 1, got '0'"),
+    (["--first-token", "1024", "-5"], "argument --first-token: must be an integer >= 1, got '-5'"),
+    (["--first-token", "1024", "--chunk", "0"], "argument --chunk: must be an integer >= 1, got '0'"),
+    (["--first-token", "1024", "--systems", "overlap-kernels", "hf-compile"],
+     "argument --systems: with --first-token, choose from hf-eager, overlap-graphs, overlap-kernels, not 'hf-compile'"),
+    (["--first-token", "1024", "--profile"],
+     "argument --first-token: not with --profile or --chrome, which profile the batch table's decode steps"),
+])
+def test_bad_first_token_arguments_exit_2_naming_the_flag(args, error, capsys):
+    with pytest.raises(SystemExit) as raised:
+        load_bench().main(args)
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].split(": error: ")[1:] == [error]
+
+
+def test_shape_by_shape_passes_the_sweep_on_to_each_shape_s_process(monkeypatch, tmp_path):
+    """Each shape's command, read back by parse_args, is the sweep given for that shape."""
+    bench = load_bench()
+    commands = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    given = ["--shapes", "0.6b", "8b", "--first-token", "1024", "16384", "--chunk", "1024", "--systems",
+             "overlap-kernels", "hf-eager", "--repeats", "5", "--out", str(tmp_path / "first.json")]
+    assert bench.shape_by_shape(bench.parse_args(given)) is None                  # nothing written: no process ran
+    assert [c[:2] for c in commands] == [[sys.executable, bench.__file__]] * 2
+    for shape, cmd in zip(("0.6b", "8b"), commands):
+        args = bench.parse_args(cmd[2:])
+        assert (args.shapes, args.first_token, args.chunk, args.systems, args.repeats, args.out) == (
+            [shape], [1024, 16384], 1024, ["overlap-kernels", "hf-eager"], 5, str(tmp_path / "first.json"))
