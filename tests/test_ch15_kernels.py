@@ -260,6 +260,7 @@ def test_merged_projections_share_the_reference_weights():
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mtp_steps", [0, 3])
 def test_the_fast_path_tokens_equal_the_reference(overlap, mtp_steps):
@@ -277,6 +278,7 @@ def test_the_fast_path_tokens_equal_the_reference(overlap, mtp_steps):
     fast.check_integrity()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32),
                                    dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=96),
                                    dict(num_attention_heads=2, num_key_value_heads=2, head_dim=48)])

@@ -274,6 +274,7 @@ def test_the_command_line_passes_the_budget_and_mixing():
     assert engine_options(args)["chunked_prefill_size"] == -1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_the_fast_path_runs_chunks_and_mixed_steps_as_the_reference_does(overlap):
     """On the fast path (its kernels in Triton's interpreter without a GPU) a mixed step is one extend

@@ -231,6 +231,7 @@ def prefill_counts(monkeypatch, kernels: bool, prompts: list[list[int]]) -> tupl
     return steps[0][0], steps[0][1], len(launches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [False, True])
 def test_a_prefill_step_s_attention_launches_do_not_depend_on_its_requests(monkeypatch, kernels):
     """One prompt or five, one long and four short: the same operators in every layer's attention (the
@@ -285,6 +286,7 @@ def test_a_mixed_step_s_attention_is_two_calls_however_many_decode_rows(monkeypa
 SYSTEM = list(range(100, 130))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_fast_path_s_prefills_with_cached_prefixes_give_the_reference_tokens(overlap):
     """Prompts that share a system prompt, sent twice: the second time every prefill is a ragged batch of

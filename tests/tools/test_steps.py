@@ -146,21 +146,24 @@ def test_run_pytest_imports_the_stage_package_and_ignores_outside_config(book: P
     assert "4 passed" in result.stdout
 
 
-def test_a_stage_leaves_out_only_the_earlier_chapters_process_tests(tmp_path: Path) -> None:
-    """processes_from=N deselects the tests marked `process` of chapters before N, and nothing else: the
-    chapter's own process tests, the earlier chapters' other tests and unnamed modules still run."""
+def test_a_stage_leaves_out_only_the_earlier_chapters_process_and_slow_tests(tmp_path: Path) -> None:
+    """earlier_from=N deselects the tests marked `process` or `slow` of chapters before N, and nothing else:
+    the chapter's own marked tests, the earlier chapters' other tests and unnamed modules still run."""
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_ch01_a.py").write_text("import pytest\n\n\n@pytest.mark.process\ndef test_example():\n"
-                                          "    assert False, 'ran ch01 process'\n\n\ndef test_unit():\n    pass\n")
+                                          "    assert False, 'ran ch01 process'\n\n\n@pytest.mark.slow\n"
+                                          "def test_engine():\n    assert False, 'ran ch01 slow'\n\n\n"
+                                          "def test_unit():\n    pass\n")
     (tests / "test_ch02_b.py").write_text("import pytest\n\n\n@pytest.mark.process\ndef test_example():\n"
-                                          "    pass\n")
+                                          "    pass\n\n\n@pytest.mark.slow\ndef test_engine():\n    pass\n")
     every = steps.run_pytest(tmp_path, ["tests"])
-    assert every.returncode == 1 and "ran ch01 process" in every.stdout and "PytestUnknownMarkWarning" not in every.stdout
-    stage_2 = steps.run_pytest(tmp_path, ["tests"], processes_from=2)
-    assert stage_2.returncode == 0 and "2 passed, 1 deselected" in stage_2.stdout, stage_2.stdout
-    stage_3 = steps.run_pytest(tmp_path, ["tests"], processes_from=3)
-    assert stage_3.returncode == 0 and "1 passed, 2 deselected" in stage_3.stdout, stage_3.stdout
+    assert every.returncode == 1 and "ran ch01 process" in every.stdout and "ran ch01 slow" in every.stdout
+    assert "PytestUnknownMarkWarning" not in every.stdout
+    stage_2 = steps.run_pytest(tmp_path, ["tests"], earlier_from=2)
+    assert stage_2.returncode == 0 and "3 passed, 2 deselected" in stage_2.stdout, stage_2.stdout
+    stage_3 = steps.run_pytest(tmp_path, ["tests"], earlier_from=3)
+    assert stage_3.returncode == 0 and "1 passed, 4 deselected" in stage_3.stdout, stage_3.stdout
 
 
 def test_revert_proof_makes_the_registered_test_fail(book: Path, tmp_path: Path) -> None:

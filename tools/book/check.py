@@ -4,6 +4,8 @@ bugs; the chapters' snippets, figures, quotes and transcripts; the tools' own te
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import sys
 import tempfile
@@ -35,15 +37,18 @@ def cmd_check(root: Path, chapters: str | None, proofs: bool, timeout: float) ->
             earlier = [c for c in book.registry.numbers if c < n]
             stages[n] = check_stage(book, n, Path(tmp), report, proofs, timeout,
                                     stages.get(earlier[-1]) if earlier else None)
-        for rel, n in chapter_markdowns(book):
-            if n in stages:
+        shown = [(rel, n) for rel, n in chapter_markdowns(book) if n in stages]
+        with ThreadPoolExecutor(WORKERS) as pool:  # the transcripts' commands, one per core
+            outputs = [pool.submit(output_errors, book, rel, stages[n], timeout) for rel, n in shown]
+            for (rel, n), output in zip(shown, outputs):
                 errors, _ = check_markdown(book.root / rel, stages[n], rel, book, n)
                 report.add(f"snippets ch{n:02d}", not errors, "\n".join(errors))
-                errors = output_errors(book, rel, stages[n], timeout)
-                if errors is not None:
+                if (errors := output.result()) is not None:
                     report.add(f"outputs ch{n:02d}", not errors, "\n".join(errors))
     if (book.root / "tests" / "tools").is_dir():
-        r = _run([sys.executable, "-m", "pytest", "tests/tools", "-q", "-p", "no:cacheprovider"], book.root)
+        spread = ["-n", str(WORKERS)] if importlib.util.find_spec("xdist") else []   # one torch thread per worker
+        r = _run([sys.executable, "-m", "pytest", "tests/tools", "-q", "-p", "no:cacheprovider", *spread], book.root,
+                 {**os.environ, "OMP_NUM_THREADS": "1"})
         report.add("tools tests", r.returncode == 0, tail(r, 1 if r.returncode == 0 else 25))
     if (book.root / "practice" / "judge.py").is_file():
         r = _run([sys.executable, "practice/judge.py", "--root", str(book.root), "check"], book.root)
@@ -65,7 +70,7 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     targets = new_tests(stage, previous)
     last = n == max(book.registry.numbers)
     r = run_pytest(stage, ["tests"] if targets is None else targets, timeout=timeout * 4, parallel=True,
-                   processes_from=0 if last else n)
+                   earlier_from=0 if last else n)
     detail = "" if targets is None else f" (the code of stage {n - 1:02d}: only {', '.join(targets)})"
     report.add(f"stage {n:02d} tests", r.returncode == 0, (tail(r, 1, stderr=False) if r.returncode == 0 else tail(r)) + detail)
     broken, green = set(failed_tests(r)), r.returncode == 0  # a bug that only the broken catch proves nothing

@@ -32,9 +32,10 @@ def stage_env(stage: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(stage), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-PROCESS_MARK = "process: runs a program in a process of its own (an example, the command line, the notebook)"
-LEAVE_OUT_PROCESSES = '''"""tools/steps.py's own plugin for one stage's run: it leaves out the tests marked `process` of the
-chapters before {first}; they ran in their own chapter's stage and run again in the last."""
+MARKS = ("process: runs a program in a process of its own (an example, the command line, the notebook)",
+         "slow: an end-to-end run of many seconds on two cores (engines in Triton's interpreter, a server)")
+LEAVE_OUT_EARLIER = '''"""tools/steps.py's own plugin for one stage's run: it leaves out the tests marked `process` or `slow`
+of the chapters before {first}; they ran in their own chapter's stage and run again in the last."""
 import re
 
 
@@ -42,7 +43,8 @@ def pytest_collection_modifyitems(config, items):
     def earlier(item):
         number = re.match(r"test_ch(\\d+)_", item.path.name)
         return number is not None and int(number.group(1)) < {first}
-    left_out = [item for item in items if item.get_closest_marker("process") and earlier(item)]
+    marked = [item for item in items if item.get_closest_marker("process") or item.get_closest_marker("slow")]
+    left_out = [item for item in marked if earlier(item)]
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if item not in left_out]
@@ -51,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
 
 def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: float | None = None,
                parallel: bool = False, one_thread: bool = False,
-               processes_from: int = 0) -> subprocess.CompletedProcess:
+               earlier_from: int = 0) -> subprocess.CompletedProcess:
     """Run pytest on `targets` in a stage, importing the stage's package, not an installed one.
 
     The run is hermetic: an ini file of its own stands in for any pytest config above the stage (a stage
@@ -60,17 +62,18 @@ def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: 
     pytest-xdist worker per core (at most WORKERS), each with one torch thread, a test file per worker
     so that its module-scoped engines are built once; the tiny model's small operations gain more from
     two processes than from two threads in one. `one_thread`: one torch thread (runs side by side).
-    `processes_from`: leave out the `process` tests (examples, the command line) of earlier chapters."""
+    `earlier_from`: leave out the `process` and `slow` tests of earlier chapters."""
     stage, env = Path(stage).resolve(), stage_env(stage)
     workers = min(WORKERS, os.cpu_count() or 1) if parallel and importlib.util.find_spec("xdist") else 1
     spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     if workers > 1 or one_thread:
         env["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory(prefix="steps-ini-") as tmp:
-        (ini := Path(tmp) / "pytest.ini").write_text(f"[pytest]\ntimeout = {TEST_TIMEOUT}\nmarkers =\n    {PROCESS_MARK}\n")
+        markers = "".join(f"\n    {mark}" for mark in MARKS)
+        (ini := Path(tmp) / "pytest.ini").write_text(f"[pytest]\ntimeout = {TEST_TIMEOUT}\nmarkers ={markers}\n")
         plugin = []
-        if processes_from:
-            (Path(tmp) / "steps_stage.py").write_text(LEAVE_OUT_PROCESSES.format(first=processes_from))
+        if earlier_from:
+            (Path(tmp) / "steps_stage.py").write_text(LEAVE_OUT_EARLIER.format(first=earlier_from))
             env["PYTHONPATH"] += os.pathsep + tmp
             plugin = ["-p", "steps_stage"]
         cmd = [sys.executable, "-m", "pytest", *targets, *plugin, "-p", "no:cacheprovider", "-c", str(ini),
