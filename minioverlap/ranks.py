@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -80,9 +81,30 @@ class Ranks:
             self.procs.append(proc)
             self.pipes.append(ours)
         self._kill = weakref.finalize(self, kill, self.procs)     # if rank 0 forgets to shut down
-        self.group = init_group(0, tp_size, init_method, rank_device(device, 0), timeout_s)
+        self.group = self.join(lambda: init_group(0, tp_size, init_method, rank_device(device, 0), timeout_s))
         for rank, pipe in enumerate(self.pipes, start=1):
             self.expect(rank, pipe, "ready")
+
+    def join(self, init: Callable[[], TPGroup]) -> TPGroup:
+        """Join the group as rank 0 (`init`, in a thread of its own) while watching the other ranks: one that
+        dies before it joins (its process could not start: an import, a device, its arguments) ends the
+        start at once, RankFailed naming it, instead of leaving rank 0 waiting JOIN_TIMEOUT_S for it."""
+        joined: dict[str, object] = {}
+
+        def joining() -> None:
+            try:
+                joined["group"] = init()
+            except BaseException as e:            # raised below, in the caller's thread
+                joined["error"] = e
+        thread = threading.Thread(target=joining, daemon=True, name="minioverlap-rank-0-join")
+        thread.start()
+        while thread.is_alive():
+            wait([proc.sentinel for proc in self.procs], timeout=0.1)
+            if thread.is_alive() and not all(proc.is_alive() for proc in self.procs):
+                self.fail(self.failure(0.0) or "a rank died before it joined the group")
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     def expect(self, rank: int, pipe: Connection, what: str) -> None:
         """Wait for a rank's message `what`; its failure (or its death) is RankFailed."""

@@ -8,6 +8,7 @@ with RankFailed and leave no process; the options and the command line."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ from minioverlap import LLM, SamplingParams
 from minioverlap.cli import engine_options, parser
 from minioverlap.constrained.grammar import GrammarBackend
 from minioverlap import ranks as ranks_module
-from minioverlap.ranks import RankFailed, shared
+from minioverlap.ranks import RankFailed, Ranks, shared
 
 pytestmark = [pytest.mark.process, pytest.mark.usefixtures("one_thread")]
 
@@ -176,6 +177,22 @@ def test_a_rank_that_raises_ends_the_engine_with_its_error_and_no_process_left(m
         llm.generate(PROMPTS[:2], PARAMS[:2])
     assert not [p for p in procs if p.is_alive()]
     llm.shutdown()
+
+
+class ExitsWhenUnpickled:
+    """An option that ends the process which unpickles it: a rank's, as it starts (exit code 3)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_rank_that_dies_as_it_starts_ends_the_start_at_once():
+    """A rank whose process ends before it joins the group (here as it reads its arguments; an import or a
+    device that fails would do the same) fails the start at once with RankFailed naming it, not after the
+    join's deadline (JOIN_TIMEOUT_S, 300 s), and leaves no rank process."""
+    with pytest.raises(RankFailed, match=r"rank 1 died \(exit code 3\)"), no_hang(60):
+        Ranks("tiny", {"unreadable": ExitsWhenUnpickled()}, 2, "cpu", 60.0)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minioverlap-rank-")]
 
 
 def test_a_killed_rank_ends_the_next_run_with_rank_failed_and_no_process_left():
