@@ -2,10 +2,13 @@
 loop over requests it replaces, on ragged batches with and without cached prefixes and the GQA shapes of
 the tiny model; the extend kernel and the GPU's FlashAttention-shaped one equal the reference (in
 Triton's interpreter without a GPU); a prefill step's attention is the same work, the same number of calls and launches, for one request or
-many; and the fast path's prefills over cached prefixes give the reference's tokens. The engine's tokens,
+many; a CPU's decode rows go in runs of similar length, the cheapest cut, with the padded call's output;
+and the fast path's prefills over cached prefixes give the reference's tokens. The engine's tokens,
 unchanged, are chapters 03, 15 and 17's tests."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from conftest import DEVICE
 from test_ch15_kernels import close       # fp32: another order of the same sums; bf16: 2 roundings
 from minioverlap import LLM, SamplingParams
 from minioverlap.engine import triton_attention
-from minioverlap.engine.attention import PagedAttention, extend_indices, ragged_extend_attention
+from minioverlap.engine import attention as attention_module
+from minioverlap.engine.attention import (PagedAttention, decode_attention, extend_indices, grouped_decode_attention,
+                                         length_groups, ragged_extend_attention)
 from minioverlap.engine.forward_batch import ForwardMode
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.kernels.extend_attention import extend_attention
@@ -278,6 +283,58 @@ def test_a_mixed_step_s_attention_is_two_calls_however_many_decode_rows(monkeypa
     assert two and six, "no step mixed a chunk with decode rows"
     assert {reqs for reqs, _ in two} == {3} and {reqs for reqs, _ in six} == {7}
     assert {ops for _, ops in two} == {ops for _, ops in six}, (two, six)
+
+
+# ---- decode rows of similar length together (on a CPU)
+
+
+def padded_cost(runs: list[list[int]], lens: list[int]) -> int:
+    """What a split of the rows costs: each run's rows x its longest, plus CALL_SLOTS a run."""
+    return sum(len(run) * max(max(lens[i] for i in run), 1) + attention_module.CALL_SLOTS for run in runs)
+
+
+def splits(order: list[int]):
+    """Every cut of the rows, in order, into consecutive runs."""
+    for cuts in itertools.product([False, True], repeat=len(order) - 1):
+        runs, run = [], [order[0]]
+        for row, cut in zip(order[1:], cuts):
+            runs, run = (runs + [run], [row]) if cut else (runs, run + [row])
+        yield runs + [run]
+
+
+def test_decode_rows_are_cut_into_runs_of_similar_length():
+    """A long request among streams gets a call of its own; rows of one length share one; and the cut is
+    the cheapest of all cuts of the sorted rows into runs (each run padded to its longest, a call's cost)."""
+    streams = [300 + 7 * i for i in range(12)]
+    assert length_groups(tuple(streams + [808])) == [(list(range(12)), 377), ([12], 808)]
+    assert length_groups(tuple(streams)) == [(list(range(12)), 377)]
+    assert length_groups(tuple([900, 5, 310, 6, 300, 7, 320])) == [([1, 3, 5], 7), ([4, 2, 6], 320), ([0], 900)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        lens = torch.randint(1, 1200, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+        order = sorted(range(len(lens)), key=lens.__getitem__)
+        runs = [rows for rows, _ in length_groups(tuple(lens))]
+        assert sorted(i for run in runs for i in run) == list(range(len(lens)))
+        assert padded_cost(runs, lens) == min(padded_cost(split, lens) for split in splits(order)), lens
+
+
+def test_grouped_decode_attention_equals_one_padded_call_and_pads_less(monkeypatch):
+    """Twelve streams and a long request: the grouped attention's output is the padded call's, from two
+    calls that read 12 x 377 + 808 slots instead of 13 x 808."""
+    g = torch.Generator().manual_seed(1)
+    lens = [300 + 7 * i for i in range(12)] + [808]
+    k_pool, v_pool = torch.randn(16 * 1000, 2, 64, generator=g), torch.randn(16 * 1000, 2, 64, generator=g)
+    table = torch.randint(1, 16 * 1000, (len(lens), max(lens)), generator=g)
+    q, seq_lens = torch.randn(len(lens), 4, 64, generator=g), torch.tensor(lens)
+    want = decode_attention(q, k_pool, v_pool, table, seq_lens)
+    widths = []
+
+    def counted(q, k_pool, v_pool, page_table, seq_lens):
+        widths.append(tuple(page_table.shape))
+        return decode_attention(q, k_pool, v_pool, page_table, seq_lens)
+    monkeypatch.setattr(attention_module, "decode_attention", counted)
+    close(grouped_decode_attention(q, k_pool, v_pool, table, seq_lens), want)
+    assert widths == [(12, 377), (1, 808)]
 
 
 # ---- the engine

@@ -110,7 +110,8 @@ to trust the run (another program's work lengthens every time).
 numbers, "req_s", "out_tok_s", "ttft_ms_mean", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median",
 "tpot_ms_p99", "itl_ms_median", "itl_ms_p99", "e2e_ms_median", "tok_per_chunk", "hit_rate", "completed",
 "requests" and a few more (durations, token counts, "cached_tokens"; for long-among-short
-"stream_itl_ms_mean", "_median", "_p99", "_max" and "long_ttft_ms_mean", "_median", "_p99"); beside them
+"stream_itl_ms_mean", "_median", "_p99", "_max", "long_ttft_ms_mean", "_median", "_p99" and the same of
+"long_itl_ms": the decode steps that hold a long prompt); beside them
 "workload" (the dataset, its arguments, every request drawn, a shared-prefix one with its group, a
 long-among-short one with its role, "stream" or "long", and that dataset's warm-up request) and "runs", per
 configuration its server (command, exit code, integrity report, load) and every request's raw numbers
@@ -600,12 +601,14 @@ def aggregate(name: str, results: list[dict], work: list[dict], duration_s: floa
 
 def roles(work: list[dict], results: list[dict]) -> dict:
     """long-among-short's own figures: the ITL of the short streams (the gaps a long prompt's prefill opens
-    in them), its worst gap, and the TTFT of the long prompts."""
+    in them), its worst gap, the TTFT of the long prompts, and their ITL: the decode steps that hold a long
+    prompt's context beside the streams."""
     def completed(role: str) -> list[dict]:
         return [r for w, r in zip(work, results) if w.get("role") == role and r["error"] is None]
     gaps = [g for r in completed("stream") for g in r["itl_s"]]
     return {**spread("stream_itl", gaps), "stream_itl_ms_max": max(gaps) * 1e3 if gaps else None,
-            **spread("long_ttft", [r["ttft_s"] for r in completed("long")])}
+            **spread("long_ttft", [r["ttft_s"] for r in completed("long")]),
+            **spread("long_itl", [g for r in completed("long") for g in r["itl_s"]])}
 
 
 # ---- the configurations

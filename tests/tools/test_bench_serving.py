@@ -221,6 +221,7 @@ def test_a_long_among_short_workload_sends_long_prompts_among_the_streams():
     figures = bench_serving.aggregate("overlap", results, work, 2.0)
     assert figures["stream_itl_ms_max"] == pytest.approx(200) and figures["stream_itl_ms_median"] == pytest.approx(105)
     assert figures["long_ttft_ms_median"] == pytest.approx(200), "the long prompts' TTFT alone"
+    assert figures["long_itl_ms_median"] == pytest.approx(10), "the long prompts' own gaps"
     assert figures["itl_ms_median"] == pytest.approx(10), "every request's gaps, the long prompts' too"
     assert bench_serving.late_long_prompts(work, results) == 2, "two came after the streams had ended"
     assert "stream_itl_ms_median" not in bench_serving.aggregate("overlap", results[:5], [{"output_len": 3}] * 5, 1.0)
