@@ -139,8 +139,8 @@ def grouped_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     """decode_attention over groups of rows of similar length, each padded to its own longest. On a CPU,
     SDPA gathers and computes every padded slot: a step of twelve streams of 400 tokens and one request
     of 800 pads thirteen rows to 800, and the streams pay for the long one in every layer. On a GPU one
-    call, as before: the reference path's decode steps are graph replays, whose shapes cannot depend on
-    the lengths, and the fast path's kernel (chapter 15) reads each row's own length."""
+    call, as before: reading the lengths there is a synchronisation, a graph replay's shapes cannot
+    depend on them, and the fast path's kernel (chapter 15) reads each row's own length."""
     if q.device.type != "cpu":
         return decode_attention(q, k_pool, v_pool, page_table, seq_lens)
     groups = length_groups(tuple(seq_lens.tolist()))      # on a CPU, reading the lengths costs nothing
