@@ -352,9 +352,10 @@ def row(shape: str, batch: int, system: str, samples: list[tuple], tokens: int, 
             **({"mtp": mtp, "accept": rounded(accept, 3)} if system.endswith("-mtp") else {})}
 
 
-def order(r: dict) -> tuple:
+def order(r: dict, size: str = "batch") -> tuple:
+    """A row's place: shape, then its size (the batch table's batch, the first-token sweep's prompt), then system."""
     shapes = list(SHAPES)
-    return (shapes.index(r["shape"]) if r["shape"] in shapes else len(shapes), r["shape"], r["batch"],
+    return (shapes.index(r["shape"]) if r["shape"] in shapes else len(shapes), r["shape"], r[size],
             SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS), r["system"])
 
 
@@ -363,9 +364,7 @@ class MergeError(ValueError):
 
 
 def first_order(r: dict) -> tuple:
-    shapes = list(SHAPES)
-    return (shapes.index(r["shape"]) if r["shape"] in shapes else len(shapes), r["shape"], r["prompt"],
-            SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS), r["system"])
+    return order(r, "prompt")
 
 
 def merge(old: dict | None, new: dict) -> dict:
