@@ -47,6 +47,9 @@ from minioverlap.parallel.rank_scheduler import RankScheduler
 from minioverlap.parallel.loader import load_dp_model, load_tp_model
 from minioverlap.parallel.mtp import load_tp_mtp
 # <<< ch20
+# >>> ch21: admission by need, and retraction
+from minioverlap.scheduler.retraction import NewTokenRatio
+# <<< ch21
 
 
 class Engine:
@@ -107,6 +110,10 @@ class Engine:
         scheduler.chunked_prefill_size = chunk_size(self.args)
         scheduler.mixed_chunk = self.args.mixed_chunk
         # <<< ch18
+        # >>> ch21: admission by need, and retraction
+        if self.args.new_token_ratio is not None:
+            scheduler.new_token_ratio = NewTokenRatio(self.args.new_token_ratio)
+        # <<< ch21
         return scheduler
     # <<< ch04
     # >>> ch20: this rank's place in the group

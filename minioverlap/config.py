@@ -13,6 +13,9 @@ import importlib.util
 import torch
 
 from minioverlap.sampling_params import _integer
+# >>> ch21: admission by need
+from minioverlap.sampling_params import _real
+# <<< ch21
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class EngineArgs:
     dp_attention: bool = False                # with tp_size > 1: each rank its own requests and attention, the MLP shared
     dist_timeout: float = 60.0                # seconds a collective waits for a stuck peer (not for work: that has no deadline)
     # <<< ch20
+    # >>> ch21: admission by need, and retraction
+    new_token_ratio: float | None = None      # share of a request's remaining tokens admission counts (SGLang: 0.7); None: all of them
+    # <<< ch21
 
     def __post_init__(self) -> None:
         """Check every option as it is given, each chapter's by its own rules (CHECKS, at the end of
@@ -256,6 +262,21 @@ def check_dist_timeout(args: EngineArgs) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(f"dist_timeout must be a positive number of seconds, got {timeout!r}")
 # <<< ch20
+# >>> ch21: admission by need
+
+
+def check_new_token_ratio(args: EngineArgs) -> None:
+    """new_token_ratio: None, or a real in (0, 1]; its retractions refill a request's outputs, which a
+    prefill writes into token_pool itself (Guards(prompt_on_forward_stream=True))."""
+    if args.new_token_ratio is None:
+        return
+    ratio = _real("new_token_ratio", args.new_token_ratio, "a real number in (0, 1], or None", lambda r: 0 < r <= 1)
+    object.__setattr__(args, "new_token_ratio", ratio)
+    if not args.resolved_guards().prompt_on_forward_stream:
+        raise ValueError(f"new_token_ratio={ratio} needs Guards(prompt_on_forward_stream=True): a retracted request "
+                         "fills its outputs again, which its prefill must write into token_pool (written at "
+                         "admission, only the prompt would be)")
+# <<< ch21
 
 
 CHECKS = [
@@ -286,4 +307,7 @@ CHECKS = [
     check_dp_attention,
     check_dist_timeout,
     # <<< ch20
+    # >>> ch21: admission by need
+    check_new_token_ratio,
+    # <<< ch21
 ]

@@ -65,6 +65,10 @@ class CachedReq(Protocol):
     cached_tokens: int                 # prompt tokens served from the cache at admission
     last_node: Node | None             # the tree node where they end, locked while it runs
     # <<< ch17
+    # >>> ch21: what its prefill lays out, after a retraction its outputs too
+    recomputed: int                    # its output tokens laid out again
+    fill_ids: list[int]
+    # <<< ch21
 
 
 class CacheManager:
@@ -93,8 +97,12 @@ class CacheManager:
         #| self.allocator.free(req.pages)
         #| self.tables.free(req.row)
         if self.tree is not None and req.last_node is not None:
-            if req.output_ids and req.error is None:
+            # >>> ch21 replaces ch17: a retracted request matched but not admitted again has run nothing here: unlocked only
+            #| if req.output_ids and req.error is None:
+            #|     self.cache_req(req)
+            if req.output_ids and req.error is None and req.row:
                 self.cache_req(req)
+            # <<< ch21
             self.tree.unlock(req.last_node)
         self.allocator.free(req.pages[req.cached_len // self.page_size:])
         if req.row:
@@ -124,10 +132,18 @@ class CacheManager:
         its prefill starts after them. `release` undoes it if it is not admitted after all."""
         if self.tree is None:
             return
-        pages, req.last_node = self.tree.match_prefix(self.key(req.prompt_ids))
+        # >>> ch21 replaces ch17: what it fills (after a retraction its outputs too); cached_tokens counted at its first admission
+        #| pages, req.last_node = self.tree.match_prefix(self.key(req.prompt_ids))
+        #| self.tree.lock(req.last_node)
+        #| req.pages = pages
+        #| req.cached_len = req.cached_tokens = req.seq_len = len(pages) * self.page_size
+        pages, req.last_node = self.tree.match_prefix(self.key(req.fill_ids))
         self.tree.lock(req.last_node)
         req.pages = pages
-        req.cached_len = req.cached_tokens = req.seq_len = len(pages) * self.page_size
+        req.cached_len = req.seq_len = len(pages) * self.page_size
+        if not req.recomputed:
+            req.cached_tokens = req.cached_len
+        # <<< ch21
 
     def cache_req(self, req: CachedReq, end: int | None = None) -> None:
         """Insert the tokens whose K and V handled steps computed in whole pages: its first `end` (what a

@@ -117,7 +117,10 @@ class ForwardBatch:
 
     def prompt_rows(self) -> list[tuple[Req, int]]:
         """(request, end) of each request whose rows ran prompt tokens: its K and V are computed up to end."""
-        return [(r, p + n) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < len(r.prompt_ids)]
+        # >>> ch21 replaces ch17: what it fills: after a retraction its outputs too
+        #| return [(r, p + n) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < len(r.prompt_ids)]
+        return [(r, p + n) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < r.fill_len]
+        # <<< ch21
     # <<< ch17
     # >>> ch18: chunked prefill
 
@@ -125,7 +128,10 @@ class ForwardBatch:
         """Whether each request's rows end inside its prompt: a chunk, whose prompt goes on in a later step.
         The token sampled after a chunk means nothing: it is no reply, and the next chunk, which writes its
         own prompt tokens first (chapter 08), overwrites it in token_pool."""
-        return [p + n < len(r.prompt_ids) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens)]
+        # >>> ch21 replaces ch18: what it fills: after a retraction its outputs too
+        #| return [p + n < len(r.prompt_ids) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens)]
+        return [p + n < r.fill_len for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens)]
+        # <<< ch21
 
     @cached_property
     def chunked(self) -> frozenset[Req]:
@@ -135,8 +141,12 @@ class ForwardBatch:
     def prompt_cells(self) -> list[tuple[int, int]]:
         """The positions whose input is a prompt token, which the step writes itself (a mixed step's decode
         rows read the token the step before sampled)."""
-        return [(r.row, i) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < len(r.prompt_ids)
+        # >>> ch21 replaces ch18: what it fills: after a retraction its outputs too
+        #| return [(r.row, i) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < len(r.prompt_ids)
+        #|         for i in range(p, p + n)]
+        return [(r.row, i) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens) if p < r.fill_len
                 for i in range(p, p + n)]
+        # <<< ch21
     # <<< ch18
     # >>> ch09: MTP: a verify step's window in token_pool
 
@@ -230,6 +240,10 @@ def prompt_tokens(mode: ForwardMode, reqs: list[Req], prefix_lens: list[int], ex
     yet (SGLang #2158)."""
     if mode is not ForwardMode.EXTEND:
         return None
-    return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.prompt_ids[start:start + n]],
+    # >>> ch21 replaces ch08: what it fills: after a retraction its outputs too
+    #| return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.prompt_ids[start:start + n]],
+    #|                  torch.int32, device)
+    return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.fill_ids[start:start + n]],
                      torch.int32, device)
+    # <<< ch21
 # <<< ch08

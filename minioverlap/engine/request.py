@@ -68,6 +68,10 @@ class Req:
     # >>> ch19: its grammar, advanced by every token it takes (None: a free request)
     grammar: Grammar | None = None
     # <<< ch19
+    # >>> ch21: retraction: its prefill lays out again what it had received when it was taken back
+    recomputed: int = 0                 # its output tokens that its next prefill runs again (0: none)
+    retractions: int = 0                # times it was taken back
+    # <<< ch21
 
     @property
     def finished(self) -> bool:
@@ -103,11 +107,31 @@ class Req:
 
     @property
     def prefilling(self) -> bool:
-        """Whether some of its prompt is not laid out in a step yet (once admitted: between its chunks)."""
-        return self.seq_len < len(self.prompt_ids)
+        """Whether some of its prompt is not laid out in a step yet (once admitted: between its chunks).
+        From chapter 21 its prompt is what it fills (fill_ids): after a retraction, its outputs too."""
+        # >>> ch21 replaces ch18: the tokens it fills
+        #| return self.seq_len < len(self.prompt_ids)
+        return self.seq_len < self.fill_len
+        # <<< ch21
 
     def chunk_len(self) -> int:
         """The prompt tokens its next prefill step runs: the chunk the scheduler gave it, or the rest."""
-        rest = len(self.prompt_ids) - self.seq_len
+        # >>> ch21 replaces ch18: the rest of what it fills
+        #| rest = len(self.prompt_ids) - self.seq_len
+        rest = self.fill_len - self.seq_len
+        # <<< ch21
         return rest if self.extend_input_len is None else self.extend_input_len
     # <<< ch18
+    # >>> ch21: what a prefill lays out
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """The tokens its prefill lays out: its prompt, and after a retraction the output tokens it had
+        received too (SGLang's fill_ids), recomputed; the token sampled after them is its next."""
+        return self.prompt_ids + self.output_ids[:self.recomputed]
+
+    @property
+    def fill_len(self) -> int:
+        """len(fill_ids), without building the list: asked of every request, every step."""
+        return len(self.prompt_ids) + self.recomputed
+    # <<< ch21

@@ -48,8 +48,12 @@ def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
     generator, so that a seeded request's tokens would depend on how its prompt was chunked (and, with
     the prefix cache, on what was cached). vLLM rewinds the generator of such a request instead."""
     # >>> ch18: a chunk's token is never used: no draw (a chunk: a prompt laid out in part)
-    if 0 < req.seq_len < len(req.prompt_ids):
+    # >>> ch21 replaces ch18: what it fills: after a retraction its outputs too
+    #| if 0 < req.seq_len < len(req.prompt_ids):
+    #|     return logits.argmax()
+    if 0 < req.seq_len < req.fill_len:
         return logits.argmax()
+    # <<< ch21
     # <<< ch18
     return torch.multinomial(adjusted_probs(logits, req.params), 1, generator=req.generator)[0]
 

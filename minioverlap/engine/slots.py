@@ -22,7 +22,11 @@ class SlotsMixin:
         seeded, and its prompt in token_pool."""
         self.cache.admit(req)
         # >>> ch03: per-request sampling; the prompt goes into token_pool
-        req.generator = make_generator(req, self.device)
+        # >>> ch21 replaces ch03: a retracted request keeps its generator: its next draw is the one it would have made
+        #| req.generator = make_generator(req, self.device)
+        if not req.retractions:
+            req.generator = make_generator(req, self.device)
+        # <<< ch21
         self.write_prompt(req)
         # <<< ch03
     # >>> ch03: the prompt goes into token_pool
@@ -72,3 +76,11 @@ class SlotsMixin:
         """What those pages hold, for the message that refuses a request too large for the pool."""
         return f"prompt + max_tokens = {len(req.prompt_ids) + req.max_new_tokens} tokens"
     # <<< ch04
+    # >>> ch21: the pages a step takes
+
+    def step_pages(self, req: Req) -> int:
+        """The new pages req's next step takes: its chunk of what it fills, or one decode token (a
+        verifying runner: its reservation)."""
+        end = req.seq_len + (req.chunk_len() if req.prefilling else 1)
+        return self.allocator.pages_for(end) - len(req.pages)
+    # <<< ch21

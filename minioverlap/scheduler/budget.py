@@ -29,7 +29,10 @@ class TokenBudget:
         """Give req its chunk (req.extend_input_len): the rest of its prompt past what is laid out (its
         cached prefix included), or what is left of the budget if that is less."""
         # >>> exercise 18.1: the chunk budget
-        rest = len(req.prompt_ids) - req.seq_len
+        # >>> ch21 replaces ch18: what it fills, its outputs too after a retraction
+        #| rest = len(req.prompt_ids) - req.seq_len
+        rest = req.fill_len - req.seq_len
+        # <<< ch21
         req.extend_input_len = rest if self.left is None else min(rest, self.left)
         if self.left is not None:
             self.left -= req.extend_input_len

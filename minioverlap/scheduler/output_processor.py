@@ -62,8 +62,12 @@ class OutputProcessorMixin:
         # >>> ch17: a handled prefill's requests join the prefix cache
         # (not one it ended, cached as it was freed, nor one aborted while it ran, dropped whole)
         for req, end in out.batch.prompt_rows():
-            if not req.finished:
+            # >>> ch21 replaces ch17: nor one taken back while it ran, which holds nothing now
+            #| if not req.finished:
+            #|     self.cache.cache_req(req, end)
+            if req in self.running:
                 self.cache.cache_req(req, end)
+            # <<< ch21
         # <<< ch17
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
         replies = [r for r in replies if r is not None]
@@ -129,8 +133,12 @@ class OutputProcessorMixin:
         One reply carries them all. A window handled after its request finished (the overlap loop
         launched it once more, chapter 07) commits nothing and replies nothing."""
         # >>> exercise 12.1: finishing inside a window
-        if not req.finished:
+        # >>> ch21 replaces ch09: a request taken back while the step ran commits nothing: it will fill its tokens again
+        #| if not req.finished:
+        #|     self.runner.commit(req, tokens, out)
+        if req in self.running:
             self.runner.commit(req, tokens, out)
+        # <<< ch21
         replies = [r for r in (self.handle(req, t) for t in tokens) if r is not None]
         if not replies:
             return None
@@ -184,6 +192,11 @@ class OutputProcessorMixin:
         #| if req not in self.running:
         #|     return
         # <<< ch07
+        # >>> ch21: taken back while its last step ran, it holds nothing: it leaves the waiting queue
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        # <<< ch21
         self.running.remove(req)
         self.release(req)
 

@@ -23,6 +23,9 @@ from minioverlap.engine.request import Req
 # >>> ch18: a step's budget of prompt tokens
 from minioverlap.scheduler.budget import TokenBudget
 # <<< ch18
+# >>> ch21: admission by need
+from minioverlap.scheduler.retraction import growth_pages
+# <<< ch21
 
 
 class PrefillAdder:
@@ -32,6 +35,9 @@ class PrefillAdder:
                  # >>> ch18: the step's prompt tokens (None: every prompt whole), and mixed steps
                  chunked_prefill_size: int | None = None, mixed_chunk: bool = False,
                  # <<< ch18
+                 # >>> ch21: admission by need
+                 new_token_ratio: float | None = None,
+                 # <<< ch21
                  ) -> None:
         """Over the runner, its cache manager and the running requests, which those it admits join."""
         self.runner, self.cache, self.running = runner, runner.cache, running
@@ -41,6 +47,9 @@ class PrefillAdder:
         decode_rows = sum(r.can_decode for r in self.running) if self.mixed_chunk else 0
         self.budget = TokenBudget(chunked_prefill_size, decode_rows)
         # <<< ch18
+        # >>> ch21: admission by need: the share of its remaining tokens a request is counted for (None: all)
+        self.new_token_ratio = new_token_ratio
+        # <<< ch21
     # >>> ch18: chunked prefill
 
     def add_chunks(self) -> list[Req]:
@@ -68,6 +77,9 @@ class PrefillAdder:
             if self.budget.spent:
                 break
             # <<< ch18
+            # >>> ch21: a retracted request fills the tokens it had received too
+            req.recomputed = len(req.output_ids)
+            # <<< ch21
             self.cache.match_req(req)
             if not self.fits(req):
                 self.cache.release(req)          # its prefix unlocked again: it waits
@@ -85,8 +97,14 @@ class PrefillAdder:
 
     def fits(self, req: Req) -> bool:
         """Whether req can start now: a request slot is free, and the free pages not yet promised to
-        running requests cover every page req may need. (Chapter 21 admits by what a request needs now,
-        here.)"""
+        running requests cover every page req may need. From chapter 21, with a new_token_ratio, by what
+        it needs now: the rest of what it fills and that share of the tokens it may still make, each
+        running request counted the same way (planned)."""
+        # >>> ch21: admission by need
+        if self.new_token_ratio is not None:
+            promised = sum(map(self.planned, self.running))
+            return self.runner.free_rows > 0 and self.cache.available_size - promised >= self.planned(req)
+        # <<< ch21
         # >>> exercise 04.1: admission
         promised = sum(self.runner.pages_needed(r) - len(r.pages) for r in self.running)
         # >>> ch17 replaces ch04: the pages of its cached prefix are not needed again
@@ -94,6 +112,13 @@ class PrefillAdder:
         return self.runner.free_rows > 0 and self.cache.available_size - promised >= self.runner.pages_needed(req) - len(req.pages)
         # <<< ch17
         # <<< exercise 04.1
+
+    # >>> ch21: admission by need
+
+    def planned(self, req: Req) -> int:
+        """The pages req is counted for beyond those it holds (retraction.growth_pages)."""
+        return growth_pages(self.runner.allocator.pages_for, req, self.runner.tokens_needed(req), self.new_token_ratio)
+    # <<< ch21
 
     def step_kind(self, decode: list[Req]) -> tuple[ForwardMode, list[Req]]:
         """A prefill step if any prompt runs, else a decode step of `decode` (the running requests that may

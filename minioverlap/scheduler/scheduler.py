@@ -31,6 +31,9 @@ from minioverlap.config import Guards
 # <<< ch08
 from minioverlap.device.trace import Trace
 from minioverlap.engine.forward_batch import ForwardBatch
+# >>> ch21: a decode step decays the estimate
+from minioverlap.engine.forward_batch import ForwardMode
+# <<< ch21
 from minioverlap.engine.model_runner import ModelRunner
 from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
@@ -40,6 +43,9 @@ from minioverlap.scheduler.grammar_manager import GrammarManager
 # <<< ch19
 from minioverlap.scheduler.output_processor import OutputProcessorMixin, Reply
 from minioverlap.scheduler.prefill_adder import PrefillAdder
+# >>> ch21: retraction
+from minioverlap.scheduler.retraction import NewTokenRatio, RetractionMixin
+# <<< ch21
 
 
 # >>> ch16: a server's run lasts as long as its busy period, for ever under load: its trace keeps the last events
@@ -47,7 +53,10 @@ TRACE_EVENTS = 100_000
 # <<< ch16
 
 
-class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
+# >>> ch21 replaces ch04: with retraction's methods
+#| class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
+class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin, RetractionMixin):
+# <<< ch21
     def __init__(self, runner: ModelRunner) -> None:
         """The inbox (what callers sent since the last iteration), the queues of requests (waiting: not
         admitted yet; running: holding a slot and pages) and the trace of the current run. The chapters
@@ -79,6 +88,10 @@ class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
         # >>> ch19: requests whose grammar compiles (SGLang's grammar_queue), and the compiles watched
         self.grammars = GrammarManager(self)
         # <<< ch19
+        # >>> ch21: admission by need (None: by every page a request may need, chapter 04), and the requests taken back
+        self.new_token_ratio: NewTokenRatio | None = None
+        self.retractions = 0
+        # <<< ch21
 
     # ---- the client's side: messages into the inbox
     def submit(self, reqs: list[Req]) -> None:
@@ -247,7 +260,14 @@ class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
         # <<< ch08
         # >>> ch18 replaces ch04: within the step's budget: the next chunk of a prompt begun, then new requests
         #| adder = PrefillAdder(self.runner, self.running)
-        adder = PrefillAdder(self.runner, self.running, self.chunked_prefill_size, self.mixed_chunk)
+        # >>> ch21 replaces ch18: admission by need, with the estimate of the running requests' growth
+        #| adder = PrefillAdder(self.runner, self.running, self.chunked_prefill_size, self.mixed_chunk)
+        ratio = self.new_token_ratio
+        if ratio is not None and not self.running:
+            ratio.reset()
+        adder = PrefillAdder(self.runner, self.running, self.chunked_prefill_size, self.mixed_chunk,
+                             None if ratio is None else ratio.value)
+        # <<< ch21
         adder.add_chunks()
         # <<< ch18
         new = adder.add_waiting(self.waiting)
@@ -256,6 +276,12 @@ class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
         decode = [r for r in self.running if r.can_decode]
         # <<< ch06
         mode, reqs = adder.step_kind(decode)
+        # >>> ch21: requests taken back if the step's pages run short; the estimate decays with each decode step
+        if ratio is not None:
+            reqs = self.make_room(reqs, new)
+            if reqs and mode is ForwardMode.DECODE:
+                ratio.step()
+        # <<< ch21
         if not reqs:
             self.check_stalled()
             return None

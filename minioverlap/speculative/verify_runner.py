@@ -15,6 +15,9 @@ from minioverlap.engine.request import Req
 from minioverlap.engine.step import StepOutput
 from minioverlap.model.qwen3 import Qwen3ForCausalLM
 from minioverlap.speculative.verify_batch import window_slack
+# >>> ch21: the pages a verify step takes
+from minioverlap.speculative.verify_batch import reservation_end
+# <<< ch21
 
 
 class VerifyRunner(ModelRunner):
@@ -39,3 +42,12 @@ class VerifyRunner(ModelRunner):
 
     def need(self, req: Req) -> str:
         return f"{super().need(req)}, and the {window_slack(self.draft_steps)} KV slots that verify windows may reach past the last one,"
+    # >>> ch21: the pages a verify step takes: its reservation
+
+    def step_pages(self, req: Req) -> int:
+        """A prefill's as the plain runner counts them; a verify's: its reservation (reserve_kv)."""
+        if req.prefilling:
+            return super().step_pages(req)
+        end = reservation_end(req.seq_len, req.kv_len, self.draft_steps + 1)
+        return self.allocator.pages_for(end) - len(req.pages)
+    # <<< ch21
