@@ -48,7 +48,7 @@ from minioverlap.parallel.loader import load_dp_model, load_tp_model
 from minioverlap.parallel.mtp import load_tp_mtp
 # <<< ch20
 # >>> ch21: admission by need, and retraction
-from minioverlap.scheduler.retraction import NewTokenRatio
+from minioverlap.scheduler.retraction import Retraction
 # <<< ch21
 
 
@@ -112,7 +112,7 @@ class Engine:
         # <<< ch18
         # >>> ch21: admission by need, and retraction
         if self.args.new_token_ratio is not None:
-            scheduler.new_token_ratio = NewTokenRatio(self.args.new_token_ratio)
+            scheduler.retraction = Retraction(scheduler, self.args.new_token_ratio)
         # <<< ch21
         return scheduler
     # <<< ch04

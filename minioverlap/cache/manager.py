@@ -97,12 +97,8 @@ class CacheManager:
         #| self.allocator.free(req.pages)
         #| self.tables.free(req.row)
         if self.tree is not None and req.last_node is not None:
-            # >>> ch21 replaces ch17: a retracted request matched but not admitted again has run nothing here: unlocked only
-            #| if req.output_ids and req.error is None:
-            #|     self.cache_req(req)
-            if req.output_ids and req.error is None and req.row:
+            if req.row and req.output_ids and req.error is None:     # it ran here, and made tokens
                 self.cache_req(req)
-            # <<< ch21
             self.tree.unlock(req.last_node)
         self.allocator.free(req.pages[req.cached_len // self.page_size:])
         if req.row:

@@ -121,6 +121,13 @@ class Req:
         rest = self.fill_len - self.seq_len
         # <<< ch21
         return rest if self.extend_input_len is None else self.extend_input_len
+
+    def prompt_token(self, pos: int) -> int:
+        """The prompt token at position pos (the next chunk's first), or -1 past the prompt."""
+        # >>> ch21 replaces ch18: what it fills
+        #| return self.prompt_ids[pos] if pos < len(self.prompt_ids) else -1
+        return self.fill_ids[pos] if pos < self.fill_len else -1
+        # <<< ch21
     # <<< ch18
     # >>> ch21: what a prefill lays out
 

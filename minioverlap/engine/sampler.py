@@ -48,12 +48,8 @@ def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
     generator, so that a seeded request's tokens would depend on how its prompt was chunked (and, with
     the prefix cache, on what was cached). vLLM rewinds the generator of such a request instead."""
     # >>> ch18: a chunk's token is never used: no draw (a chunk: a prompt laid out in part)
-    # >>> ch21 replaces ch18: what it fills: after a retraction its outputs too
-    #| if 0 < req.seq_len < len(req.prompt_ids):
-    #|     return logits.argmax()
-    if 0 < req.seq_len < req.fill_len:
+    if req.prefilling:
         return logits.argmax()
-    # <<< ch21
     # <<< ch18
     return torch.multinomial(adjusted_probs(logits, req.params), 1, generator=req.generator)[0]
 
@@ -90,6 +86,10 @@ def adjusted_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def make_generator(req: Req, device: torch.device) -> torch.Generator | None:
     """A generator of the request's own, seeded, or None to use torch's global one."""
+    # >>> ch21: a retracted request keeps its own: its next draw is the one it would have made
+    if req.generator is not None:
+        return req.generator
+    # <<< ch21
     if req.params.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(req.params.seed)

@@ -22,11 +22,7 @@ class SlotsMixin:
         seeded, and its prompt in token_pool."""
         self.cache.admit(req)
         # >>> ch03: per-request sampling; the prompt goes into token_pool
-        # >>> ch21 replaces ch03: a retracted request keeps its generator: its next draw is the one it would have made
-        #| req.generator = make_generator(req, self.device)
-        if not req.retractions:
-            req.generator = make_generator(req, self.device)
-        # <<< ch21
+        req.generator = make_generator(req, self.device)
         self.write_prompt(req)
         # <<< ch03
     # >>> ch03: the prompt goes into token_pool

@@ -60,14 +60,11 @@ class OutputProcessorMixin:
             self.add_logprobs(req, reply, logprobs)
         # <<< ch16
         # >>> ch17: a handled prefill's requests join the prefix cache
-        # (not one it ended, cached as it was freed, nor one aborted while it ran, dropped whole)
+        # (not one it ended, cached as it was freed, nor one aborted while it ran, dropped whole: only those
+        # still running; from chapter 21 not one taken back while it ran either, which holds nothing now)
         for req, end in out.batch.prompt_rows():
-            # >>> ch21 replaces ch17: nor one taken back while it ran, which holds nothing now
-            #| if not req.finished:
-            #|     self.cache.cache_req(req, end)
             if req in self.running:
                 self.cache.cache_req(req, end)
-            # <<< ch21
         # <<< ch17
         # >>> ch07 fix stale-reply: no reply for a token that must change nothing
         replies = [r for r in replies if r is not None]
@@ -187,7 +184,9 @@ class OutputProcessorMixin:
     # <<< ch07
 
     def free(self, req: Req) -> None:
-        """A finished request leaves the running ones, and its pages and request slot go back."""
+        """A finished request leaves the running ones, and its pages and request slot go back. From
+        chapter 21 a request taken back while its last step ran (retraction.py) may finish when that step is
+        handled, by a stop token: it waits to come back and holds nothing, so it only leaves the queue."""
         # >>> ch07 fix stale-reply removes ch05: launched once more after it finished, it comes back (05-06): free it once
         #| if req not in self.running:
         #|     return

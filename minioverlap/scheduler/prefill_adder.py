@@ -30,14 +30,14 @@ from minioverlap.scheduler.retraction import growth_pages
 
 class PrefillAdder:
     """One step's choice of requests: the prompts it runs (`prefill`), or else the decode rows."""
+    # >>> ch21: admission by need: the share of its remaining tokens a request is counted for (None: all)
+    new_token_ratio: float | None = None
+    # <<< ch21
 
     def __init__(self, runner: ModelRunner, running: list[Req],
                  # >>> ch18: the step's prompt tokens (None: every prompt whole), and mixed steps
                  chunked_prefill_size: int | None = None, mixed_chunk: bool = False,
                  # <<< ch18
-                 # >>> ch21: admission by need
-                 new_token_ratio: float | None = None,
-                 # <<< ch21
                  ) -> None:
         """Over the runner, its cache manager and the running requests, which those it admits join."""
         self.runner, self.cache, self.running = runner, runner.cache, running
@@ -47,9 +47,6 @@ class PrefillAdder:
         decode_rows = sum(r.can_decode for r in self.running) if self.mixed_chunk else 0
         self.budget = TokenBudget(chunked_prefill_size, decode_rows)
         # <<< ch18
-        # >>> ch21: admission by need: the share of its remaining tokens a request is counted for (None: all)
-        self.new_token_ratio = new_token_ratio
-        # <<< ch21
     # >>> ch18: chunked prefill
 
     def add_chunks(self) -> list[Req]:

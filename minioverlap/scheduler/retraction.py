@@ -74,54 +74,75 @@ def retraction_order(reqs: list[Req]) -> list[Req]:
     # <<< exercise 21.1
 
 
-class RetractionMixin:
-    """The retraction methods of Scheduler: they use its runner, cache manager, queues and frees."""
+class Retraction:
+    """A scheduler's admission by need and its retractions: the estimate, and what a step takes back.
+    It uses the scheduler's runner, cache manager, queues, trace and frees."""
 
-    def make_room(self, reqs: list[Req], new: list[Req]) -> list[Req]:
+    def __init__(self, scheduler, new_token_ratio: float) -> None:
+        self.scheduler = scheduler
+        self.new_token_ratio = NewTokenRatio(new_token_ratio)
+        self.count = 0                                     # requests taken back so far
+
+    def estimate(self) -> float:
+        """The share of a request's remaining tokens that admission counts now (from the start again
+        when nothing runs)."""
+        if not self.scheduler.running:
+            self.new_token_ratio.reset()
+        return self.new_token_ratio.value
+
+    def make_room(self, reqs: list[Req], new: list[Req], decode: bool) -> list[Req]:
         """The step's requests, less those taken back so that the others get their pages (the requests
-        just admitted, `new`, fit by admission and stay). [] if the loop should handle the step in flight
-        first: its finishing requests free enough."""
+        just admitted, `new`, fit by admission and stay); a decode step decays the estimate. [] if the
+        loop should handle the step in flight first: its finishing requests free enough."""
         short = self.pages_short(reqs)
-        if short <= 0:
-            return reqs
-        if self.in_flight and short <= self.pages_finishing():
+        if short > 0 and self.scheduler.in_flight and short <= self.pages_finishing():
             return []
-        kept = list(reqs)
-        taken = []
+        if short > 0:
+            reqs = self.take_back(reqs, new)
+        if reqs and decode:
+            self.new_token_ratio.step()
+        return reqs
+
+    def take_back(self, reqs: list[Req], new: list[Req]) -> list[Req]:
+        """Take requests back in retraction order until the others get their pages and the pages left
+        last them RETRACT_DECODE_STEPS more steps; always keep one. [] if the pages they need are still
+        held by the step in flight (chapter 07's deferred release): the loop handles it first."""
+        kept, taken = list(reqs), []
         for req in retraction_order([r for r in reqs if r not in new]):
-            if len(kept) == 1 or (short <= 0 and self.room_lasts(kept)):
+            if len(kept) == 1 or (self.pages_short(kept) <= 0 and self.room_lasts(kept)):
                 break
             kept.remove(req)
             self.retract(req)
             taken.append(req)
-            short = self.pages_short(kept)
-        self.waiting.extendleft(reversed(taken))          # at the front, in the order taken
+        scheduler = self.scheduler
+        scheduler.waiting.extendleft(reversed(taken))      # at the front, in the order taken
         self.new_token_ratio.raise_after(kept)
-        self.trace.record("retract", self.step + 1, [r.uid for r in taken])
-        return kept
+        scheduler.trace.record("retract", scheduler.step + 1, [r.uid for r in taken])
+        return [] if self.pages_short(kept) > 0 and scheduler.in_flight else kept
 
     def pages_short(self, reqs: list[Req]) -> int:
         """How many more pages the step's requests take than the pool can give now."""
-        return sum(self.runner.step_pages(r) for r in reqs) - self.cache.available_size
+        runner = self.scheduler.runner
+        return sum(runner.step_pages(r) for r in reqs) - runner.cache.available_size
 
     def pages_finishing(self) -> int:
         """The pages of the running requests that take no further step: the step in flight is their last,
         and handling it frees them."""
-        return sum(len(r.pages) for r in self.running if not r.prefilling and not r.can_decode)
+        return sum(len(r.pages) for r in self.scheduler.running if not r.prefilling and not r.can_decode)
 
     def room_lasts(self, kept: list[Req]) -> bool:
         """Whether the pages left last the requests kept RETRACT_DECODE_STEPS more steps."""
-        pages_for = self.runner.allocator.pages_for
-        need = sum(max(0, pages_for(r.seq_len + RETRACT_DECODE_STEPS) - len(r.pages)) for r in kept)
-        return need <= self.cache.available_size
+        runner = self.scheduler.runner
+        need = sum(max(0, runner.allocator.pages_for(r.seq_len + RETRACT_DECODE_STEPS) - len(r.pages)) for r in kept)
+        return need <= runner.cache.available_size
 
     def retract(self, req: Req) -> None:
         """Take a running request back: its slot and pages go back as a finished request's do (chapter
         07's rules), and it will fill again what it has; the step in flight, if it holds the request,
         stays as it was launched."""
-        self.running.remove(req)
-        self.release(req)
+        self.scheduler.running.remove(req)
+        self.scheduler.release(req)
         req.seq_len = req.kv_len = 0
         req.extend_input_len = None
         req.retractions += 1
-        self.retractions += 1
+        self.count += 1

@@ -44,7 +44,7 @@ from minioverlap.scheduler.grammar_manager import GrammarManager
 from minioverlap.scheduler.output_processor import OutputProcessorMixin, Reply
 from minioverlap.scheduler.prefill_adder import PrefillAdder
 # >>> ch21: retraction
-from minioverlap.scheduler.retraction import NewTokenRatio, RetractionMixin
+from minioverlap.scheduler.retraction import Retraction
 # <<< ch21
 
 
@@ -53,10 +53,11 @@ TRACE_EVENTS = 100_000
 # <<< ch16
 
 
-# >>> ch21 replaces ch04: with retraction's methods
-#| class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
-class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin, RetractionMixin):
-# <<< ch21
+class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin):
+    """One engine's scheduler: its queues, its loop, and the choice of each step."""
+    # >>> ch21: admission by need and retraction, if the LLM asks (None: admission by every page a request may need)
+    retraction: Retraction | None = None
+    # <<< ch21
     def __init__(self, runner: ModelRunner) -> None:
         """The inbox (what callers sent since the last iteration), the queues of requests (waiting: not
         admitted yet; running: holding a slot and pages) and the trace of the current run. The chapters
@@ -88,10 +89,6 @@ class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin, RetractionMixin):
         # >>> ch19: requests whose grammar compiles (SGLang's grammar_queue), and the compiles watched
         self.grammars = GrammarManager(self)
         # <<< ch19
-        # >>> ch21: admission by need (None: by every page a request may need, chapter 04), and the requests taken back
-        self.new_token_ratio: NewTokenRatio | None = None
-        self.retractions = 0
-        # <<< ch21
 
     # ---- the client's side: messages into the inbox
     def submit(self, reqs: list[Req]) -> None:
@@ -260,13 +257,10 @@ class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin, RetractionMixin):
         # <<< ch08
         # >>> ch18 replaces ch04: within the step's budget: the next chunk of a prompt begun, then new requests
         #| adder = PrefillAdder(self.runner, self.running)
-        # >>> ch21 replaces ch18: admission by need, with the estimate of the running requests' growth
-        #| adder = PrefillAdder(self.runner, self.running, self.chunked_prefill_size, self.mixed_chunk)
-        ratio = self.new_token_ratio
-        if ratio is not None and not self.running:
-            ratio.reset()
-        adder = PrefillAdder(self.runner, self.running, self.chunked_prefill_size, self.mixed_chunk,
-                             None if ratio is None else ratio.value)
+        adder = PrefillAdder(self.runner, self.running, self.chunked_prefill_size, self.mixed_chunk)
+        # >>> ch21: admission by need
+        if self.retraction is not None:
+            adder.new_token_ratio = self.retraction.estimate()
         # <<< ch21
         adder.add_chunks()
         # <<< ch18
@@ -276,11 +270,9 @@ class Scheduler(OutputProcessorMixin, RuntimeCheckerMixin, RetractionMixin):
         decode = [r for r in self.running if r.can_decode]
         # <<< ch06
         mode, reqs = adder.step_kind(decode)
-        # >>> ch21: requests taken back if the step's pages run short; the estimate decays with each decode step
-        if ratio is not None:
-            reqs = self.make_room(reqs, new)
-            if reqs and mode is ForwardMode.DECODE:
-                ratio.step()
+        # >>> ch21: requests taken back if the step's pages run short
+        if self.retraction is not None:
+            reqs = self.retraction.make_room(reqs, new, decode=mode is ForwardMode.DECODE)
         # <<< ch21
         if not reqs:
             self.check_stalled()

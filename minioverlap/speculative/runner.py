@@ -134,12 +134,7 @@ class SpecRunner(VerifyRunner):
         next_ids[batch.last_index] = bonus                   # ... and the last row the bonus token
         # >>> ch18: ... unless its rows are a chunk: then its prompt's next token, which the host knows
         if any(batch.chunks()):
-            # >>> ch21 replaces ch18: what it fills: after a retraction its outputs too
-            #| after = to_device([r.prompt_ids[e] if e < len(r.prompt_ids) else -1 for r, e in zip(batch.reqs, batch.ends())],
-            #|                   torch.int64, self.device)
-            after = to_device([r.fill_ids[e] if e < r.fill_len else -1 for r, e in zip(batch.reqs, batch.ends())],
-                              torch.int64, self.device)
-            # <<< ch21
+            after = to_device([r.prompt_token(e) for r, e in zip(batch.reqs, batch.ends())], torch.int64, self.device)
             next_ids[batch.last_index] = torch.where(after >= 0, after, bonus)
         # <<< ch18
         read_done = self.draft_extend(spec, next_ids, batch.last_index)
