@@ -47,8 +47,11 @@ from minioverlap.parallel.rank_scheduler import RankScheduler
 from minioverlap.parallel.loader import load_dp_model, load_tp_model
 from minioverlap.parallel.mtp import load_tp_mtp
 # <<< ch20
-# >>> ch21: admission by need, and retraction
+# >>> ch21: the pool sized from memory; admission by need, and retraction
 from minioverlap.scheduler.retraction import Retraction
+from minioverlap.cache.kv_pool import gib, static_budget
+from minioverlap.config import mem_fraction
+from minioverlap.engine.forward_batch import ForwardMode
 # <<< ch21
 
 
@@ -151,6 +154,10 @@ class Engine:
                      # >>> ch15: the attention context of the path chosen at load
                      attention=self.backend.attention,
                      # <<< ch15
+                     # >>> ch21: the pool sized by max_total_tokens, or by the memory mem_fraction_static leaves
+                     max_total_tokens=self.args.max_total_tokens,
+                     pool_bytes=self.pool_bytes(),
+                     # <<< ch21
                      )
         # >>> ch09: the MTP drafter (a ValueError if the checkpoint has no MTP layer)
         if self.args.mtp_steps:
@@ -162,6 +169,37 @@ class Engine:
         # <<< ch19
         return ModelRunner(self.model, **sizes)
     # <<< ch02
+    # >>> ch21: the pool sized from memory
+
+    def pool_bytes(self) -> int | None:
+        """The bytes the KV pool may take under mem_fraction_static (config.mem_fraction; None: no share, the
+        pool is sized otherwise): the share less what stays in use (kv_pool.static_budget). Every rank takes
+        the smallest of the ranks' budgets: their pools must be alike."""
+        fraction = mem_fraction(self.args)
+        if fraction is None:
+            return None
+        budget = static_budget(fraction, self.device, self.memory_in_use())
+        return min(b for [b] in self.group.all_gather_ints([budget]))
+
+    def memory_in_use(self) -> int:
+        """What stays in use beside the pool. On a CPU the weights. On a GPU what the device holds once the
+        weights are loaded (with the CUDA context and other processes), and the activation peak of the
+        largest step, measured; the CUDA graphs, captured once the pool exists, take theirs from the rest."""
+        if not self.device.startswith("cuda"):
+            return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tokens = max(chunk_size(self.args) or self.max_seq_len, self.max_running)
+        peak = activation_peak(self.model, tokens, self.max_seq_len, self.args.page_size, self.backend.attention)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(torch.device(self.device))
+        return total - free + peak
+
+    def pool_summary(self) -> str:
+        """One line: the tokens the pool holds, and how many whole max_seq_len contexts."""
+        runner, context = self.runner, -(-self.max_seq_len // self.args.page_size)
+        return (f"KV pool: {runner.pool_tokens} tokens ({runner.usable_pages} pages of {self.args.page_size}, "
+                f"{gib(runner.pool_tokens * runner.token_bytes())}): {runner.usable_pages // context} whole "
+                f"contexts of max_seq_len={self.max_seq_len}")
+    # <<< ch21
     # >>> ch09: the MTP drafter
 
     def load_drafter(self) -> MTPLayer:
@@ -188,6 +226,31 @@ class Engine:
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
         return self.processor.make_request(prompt, params)
+
+
+# >>> ch21: the largest step's activations, measured
+
+
+@torch.inference_mode()
+def activation_peak(model: Qwen3ForCausalLM, tokens: int, max_seq_len: int, page_size: int, attention: type) -> int:
+    """Bytes a GPU allocates while the model runs its largest step, beyond what it held before: `tokens`
+    prompt tokens, each request's the last of a max_seq_len context (the widest attention), run once over
+    a pool just large enough for them, which is then dropped."""
+    lens = [max_seq_len] * (tokens // max_seq_len) + [tokens % max_seq_len] * (tokens % max_seq_len > 0)
+    runner = ModelRunner(model, num_pages=len(lens) * -(-max_seq_len // page_size) + 1, page_size=page_size,
+                         max_running=len(lens), max_seq_len=max_seq_len, attention=attention)
+    reqs = [Req(i, [0] * max_seq_len, SamplingParams(max_tokens=1), 1) for i in range(len(lens))]
+    for req, n in zip(reqs, lens):
+        runner.admit(req)
+        req.seq_len = max_seq_len - n               # its K and V before the step are page 0's: read, never used
+    batch = runner.batch(ForwardMode.EXTEND, reqs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    runner.logits(batch)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+# <<< ch21
 
 
 def engine_args(model: str, options: dict) -> EngineArgs:

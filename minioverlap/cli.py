@@ -37,6 +37,9 @@ from minioverlap.device.trace import chrome_trace
 def generate(args: argparse.Namespace, console: Console) -> None:
     """Complete the prompt, printing the text as the tokens arrive."""
     llm = LLM(**engine_options(args))
+    # >>> ch21: what the pool holds, on stderr (stdout is the completion)
+    Console(stderr=True).print(llm.pool_summary(), style="dim", markup=False, highlight=False, soft_wrap=True)
+    # <<< ch21
     params = SamplingParams(
         max_tokens=args.max_tokens,
         # >>> ch03: sampling
@@ -95,6 +98,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.dist_timeout is not None:
         options["dist_timeout"] = args.dist_timeout
     # <<< ch20
+    # >>> ch21: the pool's size
+    if args.max_total_tokens is not None:
+        options["max_total_tokens"] = args.max_total_tokens
+    if args.mem_fraction_static is not None:
+        options["mem_fraction_static"] = args.mem_fraction_static
+    # <<< ch21
     return options
 # >>> ch09: MTP
 
@@ -274,8 +283,12 @@ def parser() -> argparse.ArgumentParser:
                            "(default: the engine's); the others wait in the queue")
     serve_cmd.add_argument("--max-seq-len", type=int, help="the most tokens of one request, prompt included "
                            "(default: the model's context); the KV pool has room for every slot's")
-    serve_cmd.add_argument("--num-pages", type=int, help="pages in the KV pool, page 0 included (default: room for "
-                           "every slot's full context)")
+    # >>> ch21 replaces ch16: the default is chapter 21's
+    #| serve_cmd.add_argument("--num-pages", type=int, help="pages in the KV pool, page 0 included (default: room for "
+    #|                        "every slot's full context)")
+    serve_cmd.add_argument("--num-pages", type=int, help="pages in the KV pool, page 0 included (default: from "
+                           "--max-total-tokens or --mem-fraction-static)")
+    # <<< ch21
     serve_cmd.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on a CPU, the checkpoint's on a GPU)")
     serve_cmd.add_argument("--first-tokens-first", action="store_true",
                            help="the overlap loop handles a prefill before the next launch: the first token "
@@ -316,6 +329,15 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--enable-mixed-chunk", action="store_true",
                          help="a prefill step carries the running requests' decode rows too (chapter 18)")
     # <<< ch18
+    # >>> ch21: the pool's size
+    for cmd in sub.choices.values():
+        cmd.add_argument("--max-total-tokens", type=int, metavar="N",
+                         help="tokens the KV pool holds (default: what --mem-fraction-static leaves on a GPU, every "
+                              "slot's full context on a CPU; chapter 21)")
+        cmd.add_argument("--mem-fraction-static", type=float, metavar="F",
+                         help="share of the device's memory for the weights and the KV pool (default: 0.88 on a GPU; "
+                              "on a CPU of its physical memory; chapter 21)")
+    # <<< ch21
     return top
 
 

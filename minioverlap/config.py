@@ -13,7 +13,7 @@ import importlib.util
 import torch
 
 from minioverlap.sampling_params import _integer
-# >>> ch21: admission by need
+# >>> ch21: a ratio, a share of the memory: real numbers
 from minioverlap.sampling_params import _real
 # <<< ch21
 
@@ -26,7 +26,10 @@ class EngineArgs:
     max_seq_len: int | None = None           # most tokens of one request, prompt included; None: the model's context
     # >>> ch02: the paged cache
     page_size: int = 16                       # KV slots per page
-    num_pages: int | None = None              # pages in the pool, page 0 included; None: room for every slot's full context
+    # >>> ch21 replaces ch02: or sized by max_total_tokens, or by the memory (below)
+    #| num_pages: int | None = None              # pages in the pool, page 0 included; None: room for every slot's full context
+    num_pages: int | None = None              # pages in the pool, page 0 included; None: max_total_tokens or the memory (mem_fraction)
+    # <<< ch21
     # <<< ch02
     # >>> ch03: batching
     max_running: int = 16                     # request slots: the most requests in flight at once
@@ -66,8 +69,10 @@ class EngineArgs:
     dp_attention: bool = False                # with tp_size > 1: each rank its own requests and attention, the MLP shared
     dist_timeout: float = 60.0                # seconds a collective waits for a stuck peer (not for work: that has no deadline)
     # <<< ch20
-    # >>> ch21: admission by need, and retraction
+    # >>> ch21: the pool sized from memory; admission by need, and retraction
     new_token_ratio: float | None = None      # share of a request's remaining tokens admission counts (SGLang: 0.7); None: all of them
+    max_total_tokens: int | None = None       # tokens the KV pool holds (SGLang's --max-total-tokens)
+    mem_fraction_static: float | None = None  # share of the device's memory for weights and pool; None: mem_fraction (below)
     # <<< ch21
 
     def __post_init__(self) -> None:
@@ -262,7 +267,7 @@ def check_dist_timeout(args: EngineArgs) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(f"dist_timeout must be a positive number of seconds, got {timeout!r}")
 # <<< ch20
-# >>> ch21: admission by need
+# >>> ch21: admission by need; the pool sized from memory
 
 
 def check_new_token_ratio(args: EngineArgs) -> None:
@@ -276,6 +281,37 @@ def check_new_token_ratio(args: EngineArgs) -> None:
         raise ValueError(f"new_token_ratio={ratio} needs Guards(prompt_on_forward_stream=True): a retracted request "
                          "fills its outputs again, which its prefill must write into token_pool (written at "
                          "admission, only the prompt would be)")
+
+GPU_MEM_FRACTION = 0.88   # SGLang's share on a large GPU; the rest for the activations and the CUDA graphs
+
+
+def check_pool_size(args: EngineArgs) -> None:
+    """max_total_tokens: an integer >= page_size; mem_fraction_static: a real number in (0, 1); each sizes
+    the pool, as num_pages does: one of the three at most."""
+    if args.max_total_tokens is not None:
+        tokens = _integer("max_total_tokens", args.max_total_tokens, f"an integer >= page_size = {args.page_size}",
+                          lambda n: n >= args.page_size)
+        object.__setattr__(args, "max_total_tokens", tokens)
+    if args.mem_fraction_static is not None:
+        fraction = _real("mem_fraction_static", args.mem_fraction_static, "a real number in (0, 1)", lambda f: 0 < f < 1)
+        object.__setattr__(args, "mem_fraction_static", fraction)
+    given = [f"{name}={getattr(args, name)}" for name in ("num_pages", "max_total_tokens", "mem_fraction_static")
+             if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{given[0]} and {given[1]}: each sizes the KV pool: pass one of them")
+    if args.mem_fraction_static is not None and args.tp_size > 1 and str(args.device).startswith("cuda"):
+        raise ValueError(f"mem_fraction_static={args.mem_fraction_static} with tp_size={args.tp_size} on a GPU: the "
+                         "activation peak is measured on one rank only for now: pass max_total_tokens or num_pages")
+
+
+def mem_fraction(args: EngineArgs) -> float | None:
+    """The share of the device's memory for the weights and the KV pool: as given; on one GPU with no other
+    size given GPU_MEM_FRACTION; else None (a CPU's pool by default holds every slot's whole context)."""
+    others = (args.num_pages, args.max_total_tokens)
+    on_one_gpu = str(args.device).startswith("cuda") and args.tp_size == 1
+    if args.mem_fraction_static is None and on_one_gpu and others == (None, None):
+        return GPU_MEM_FRACTION
+    return args.mem_fraction_static
 # <<< ch21
 
 
@@ -309,5 +345,6 @@ CHECKS = [
     # <<< ch20
     # >>> ch21: admission by need
     check_new_token_ratio,
+    check_pool_size,
     # <<< ch21
 ]

@@ -30,6 +30,46 @@ def default_pages(max_running: int, max_seq_len: int, page_size: int) -> int:
     """Pages for every request slot to hold a whole row of max_seq_len tokens at once (page 0 is never
     handed out)."""
     return max_running * -(-max_seq_len // page_size) + 1
+# >>> ch21: the pool sized by what is given
+
+
+def pool_pages(default: int, page_size: int, page_bytes: int, num_pages: int | None = None,
+               max_total_tokens: int | None = None, pool_bytes: int | None = None) -> int:
+    """The pool's pages, page 0 included: num_pages as given; else room for max_total_tokens tokens; else
+    as many as pool_bytes (what mem_fraction_static leaves, static_budget) holds, but no more than
+    `default`; else `default`, every request slot's whole context (default_pages)."""
+    if num_pages is not None:
+        return num_pages
+    if max_total_tokens is not None:
+        return -(-max_total_tokens // page_size) + 1
+    if pool_bytes is not None:
+        return min(pool_bytes // page_bytes, default)
+    return default
+
+
+def static_budget(fraction: float, device: str, in_use: int) -> int:
+    """Bytes for the KV pool when the weights and the pool may take `fraction` of the device's memory:
+    that share of all of it, less `in_use` (what stays in use beside the pool: the weights; on a GPU also
+    the CUDA context, other processes and the largest step's activations)."""
+    return int(fraction * total_memory(device)) - in_use
+
+
+def total_memory(device: str) -> int:
+    """All of the device's memory: a GPU's, or this machine's physical memory (device_memory)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    return device_memory(device)[0]
+
+
+def check_holds_a_context(num_pages: int, page_size: int, max_seq_len: int, sized_by: str, option: str) -> None:
+    """A pool sized by max_total_tokens or the memory must hold one request of max_seq_len tokens, or a
+    request of that size would be refused as too large for the pool (check_fits_pool)."""
+    need = -(-max_seq_len // page_size) + 1
+    if num_pages < need:
+        raise ValueError(f"{sized_by} gives a KV pool of {max(num_pages - 1, 0) * page_size} tokens, less than one "
+                         f"context of max_seq_len={max_seq_len} tokens ({need} pages of {page_size}, page 0 "
+                         f"included): pass a larger {option} or a smaller max_seq_len")
+# <<< ch21
 
 
 def check_memory(num_pages: int, page_size: int, slot_bytes: int, max_running: int, max_seq_len: int,

@@ -18,6 +18,9 @@ import torch
 
 from minioverlap.cache.allocator import PageAllocator
 from minioverlap.cache.kv_pool import KVPool, check_memory, default_pages
+# >>> ch21: the pool sized by what is given
+from minioverlap.cache.kv_pool import check_holds_a_context, gib, pool_pages
+# <<< ch21
 from minioverlap.cache.manager import CacheManager
 from minioverlap.cache.req_to_token import ReqToTokenPool
 # >>> ch08: the guards and the checker
@@ -67,6 +70,10 @@ class ModelRunner(SlotsMixin):
                  # >>> ch15: the attention context's class, chosen once at load (the fast path's, or PagedAttention)
                  attention: type[PagedAttention] = PagedAttention,
                  # <<< ch15
+                 # >>> ch21: what sizes the pool without num_pages: max_total_tokens, or the bytes mem_fraction_static leaves
+                 max_total_tokens: int | None = None,
+                 pool_bytes: int | None = None,
+                 # <<< ch21
                  ) -> None:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), sized here (num_pages=None: enough pages for every
@@ -76,6 +83,10 @@ class ModelRunner(SlotsMixin):
         table."""
         c, weight = model.config, model.model.embed_tokens.weight
         self.model, self.device = model, weight.device
+        # >>> ch21: without num_pages, sized by max_total_tokens or by the memory left; with neither, as before
+        if num_pages is None:
+            num_pages = self.size_pool(max_total_tokens, pool_bytes, page_size, max_running, max_seq_len)
+        # <<< ch21
         num_pages = default_pages(max_running, max_seq_len, page_size) if num_pages is None else num_pages
         check_memory(num_pages, page_size, self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize,
                      max_running, max_seq_len, str(weight.device))
@@ -97,6 +108,35 @@ class ModelRunner(SlotsMixin):
         self.streams = Streams(self.device, hazards)
         # <<< ch08
         # <<< ch06
+    # >>> ch21: the pool sized by what is given
+
+    def size_pool(self, max_total_tokens: int | None, pool_bytes: int | None, page_size: int, max_running: int,
+                  max_seq_len: int) -> int | None:
+        """The pages of a pool that max_total_tokens or the bytes mem_fraction_static leaves size
+        (kv_pool.pool_pages); None: neither is given. Such a pool must hold one whole max_seq_len context
+        (a pool of num_pages is the caller's to size: a request too large for it is refused as it comes)."""
+        if max_total_tokens is None and pool_bytes is None:
+            return None
+        pages = pool_pages(default_pages(max_running, max_seq_len, page_size), page_size, page_size * self.token_bytes(),
+                           max_total_tokens=max_total_tokens, pool_bytes=pool_bytes)
+        if max_total_tokens is not None:
+            check_holds_a_context(pages, page_size, max_seq_len, f"max_total_tokens={max_total_tokens}",
+                                  "max_total_tokens")
+        else:
+            check_holds_a_context(pages, page_size, max_seq_len, f"mem_fraction_static, whose share less what is in "
+                                  f"use leaves {gib(pool_bytes)} for the KV pool,", "mem_fraction_static")
+        return pages
+
+    def token_bytes(self) -> int:
+        """The bytes one token's K and V take in the pool, every layer's."""
+        c, weight = self.model.config, self.model.model.embed_tokens.weight
+        return self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize
+
+    @property
+    def pool_tokens(self) -> int:
+        """The tokens the pool holds (page 0 is never handed out)."""
+        return self.usable_pages * self.allocator.page_size
+    # <<< ch21
 
     def kv_layers(self) -> int:
         """The layers of K and V a token keeps in the cache: the model's (from chapter 09 a drafter adds its own)."""

@@ -13,6 +13,9 @@ blocks on the pipe; the run it starts when something arrives ends when it has no
 from __future__ import annotations
 
 import signal
+# >>> ch21: what the pool holds, on stderr
+import sys
+# <<< ch21
 from multiprocessing.connection import Connection
 
 from minioverlap.engine.request import Req
@@ -36,6 +39,9 @@ def run_engine(options: dict, inbox: Connection, outbox: Connection, first_token
     except Exception as err:                 # a bad option or checkpoint: the HTTP side prints it and exits
         outbox.send(Failed(str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
         return
+    # >>> ch21: what the pool holds, on stderr, as `generate` says it
+    print(f"minioverlap: {llm.pool_summary()}", file=sys.stderr, flush=True)
+    # <<< ch21
     outbox.send(Ready(llm.max_seq_len))
     # >>> ch20 replaces ch16: a rank that fails or dies ends the engine, and the HTTP side is told why
     #| EngineLoop(llm, inbox, outbox, first_tokens_first).serve()
