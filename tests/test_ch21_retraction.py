@@ -155,11 +155,11 @@ def test_with_the_release_deferred_and_no_fence_a_retraction_is_no_race():
     """Chapter 07's guard alone (no fence): a retracted request's slot and pages wait until the step in
     flight that holds them is handled, as a finished request's do; the hazard checker stays silent."""
     llm = LLM(page_size=4, max_running=8, new_token_ratio=RATIO, hazard_check=True, overlap=True,
-              guards=Guards(fence=False, defer_release=True), prefix_cache=False,
+              guards=Guards(fence=False, defer_release=True),
               num_pages=worst_case_pages(PROMPTS, 40, 4) // 4 + 1)
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.scheduler.retraction.count > 0
-    assert [o.token_ids for o in outs] == reference(overlap=True, prefix_cache=False)
+    assert [o.token_ids for o in outs] == reference(overlap=True)
     llm.check_integrity()
 
 
