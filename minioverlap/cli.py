@@ -103,6 +103,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["max_total_tokens"] = args.max_total_tokens
     if args.mem_fraction_static is not None:
         options["mem_fraction_static"] = args.mem_fraction_static
+    if args.new_token_ratio is not None:
+        options["new_token_ratio"] = args.new_token_ratio
     # <<< ch21
     return options
 # >>> ch09: MTP
@@ -337,6 +339,10 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--mem-fraction-static", type=float, metavar="F",
                          help="share of the device's memory for the weights and the KV pool (default: 0.88 on a GPU; "
                               "on a CPU of its physical memory; chapter 21)")
+        cmd.add_argument("--new-token-ratio", type=float, metavar="R",
+                         help="admit a request by what it needs now and R of the tokens it may still make (SGLang: "
+                              "0.7), and take requests back when a step runs out of pages (default: admit only "
+                              "what the pool holds whole; chapter 21)")
     # <<< ch21
     return top
 

@@ -6,9 +6,11 @@ the order and the rules of the step in flight."""
 
 from __future__ import annotations
 
-import itertools
+import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from minioverlap import LLM, SamplingParams
@@ -17,6 +19,7 @@ from minioverlap.engine.request import Req
 from minioverlap.scheduler.retraction import (CLIP_MAX_NEW_TOKENS, DECAY_STEPS, NewTokenRatio, RETRACT_DECODE_STEPS,
                                               growth_pages, retraction_order)
 from conftest import assert_as_fresh, probe_tokens
+from serving import Server
 
 PROMPTS = [[(7 * i + j) % 50 + 3 for j in range(5 + 2 * i)] for i in range(12)]
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -248,3 +251,44 @@ def test_no_retraction_where_the_requests_finishing_in_the_step_in_flight_free_e
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     assert llm.scheduler.retraction.count == 0
     llm.check_integrity()
+
+
+def stream_tokens(url: str, prompt: list[int]) -> tuple[list[int], dict]:
+    """One streamed completion of token ids, greedy: its tokens in the order they came, and its usage."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": GREEDY.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": 0}
+    tokens, usage = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120.0) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    tokens += choice["logprobs"]["tokens"] if choice.get("logprobs") else []
+    return tokens, usage
+
+
+@pytest.mark.process
+def test_a_server_that_takes_requests_back_streams_each_whole_and_says_how_many():
+    """minioverlap serve --new-token-ratio 0.4 with a pool a quarter of the run's worst case, twelve streams
+    at once: each stream pauses while its request is taken back and resumes, and gets the tokens of an
+    engine whose pool holds them all; its usage counts each token once; /integrity reports the
+    retractions, and everything free once idle."""
+    tokens = 16 * (worst_case_pages(PROMPTS, GREEDY.max_tokens, 16) // 4 + 1)
+    server = Server("--max-running", "8", "--max-total-tokens", str(tokens), "--max-seq-len", "128",
+                    "--new-token-ratio", str(RATIO), "--no-prefix-cache")
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            streams = list(pool.map(lambda p: stream_tokens(server.url, p), PROMPTS))
+        report = server.wait_idle()
+    finally:
+        code, output = server.stop()
+    assert code == 0, output
+    want = [o.token_ids for o in LLM(max_running=8).generate(PROMPTS, GREEDY)]
+    decode = LLM().tokenizer
+    assert [got for got, _ in streams] == [[decode.decode([t]) for t in w] for w in want]
+    assert all(u["completion_tokens"] == GREEDY.max_tokens and u["prompt_tokens"] == len(p)
+               for (_, u), p in zip(streams, PROMPTS))
+    assert report["retractions"] > 0, report
+    assert report["problems"] is None and report["free_pages"] == report["usable_pages"]

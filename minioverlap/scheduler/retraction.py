@@ -62,9 +62,11 @@ class NewTokenRatio:
 def growth_pages(pages_for, req: Req, tokens_needed: int, ratio: float) -> int:
     """The pages req is counted for beyond those it holds: the rest of what it fills, and `ratio` of the
     tokens it may still make (tokens_needed: every position it may hold; at most CLIP_MAX_NEW_TOKENS)."""
+    # >>> exercise 21.2: the growth estimate
     laid = max(req.seq_len, req.fill_len)
     growth = min(tokens_needed - laid, CLIP_MAX_NEW_TOKENS) * ratio
     return max(0, pages_for(laid + math.ceil(growth)) - len(req.pages))
+    # <<< exercise 21.2
 
 
 def retraction_order(reqs: list[Req]) -> list[Req]:

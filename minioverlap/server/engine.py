@@ -136,9 +136,13 @@ class EngineLoop:
             problems = None
         except IntegrityError as err:
             problems = str(err)
-        return Report(not (sched.busy or sched.in_flight or sched.deferred), problems, runner.free_pages,
-                      runner.usable_pages, runner.free_rows, self.llm.max_running, dict(self.finishes),
-                      self.llm.backend.kernels, len(sched.running), len(sched.waiting) + len(sched.inbox))
+        report = Report(not (sched.busy or sched.in_flight or sched.deferred), problems, runner.free_pages,
+                        runner.usable_pages, runner.free_rows, self.llm.max_running, dict(self.finishes),
+                        self.llm.backend.kernels, len(sched.running), len(sched.waiting) + len(sched.inbox))
+        # >>> ch21: the requests taken back
+        report.retractions = sched.retraction.count if sched.retraction else 0
+        # <<< ch21
+        return report
 
 
 def tokens(reply: Reply) -> Tokens:

@@ -88,3 +88,6 @@ class Report:
     kernels: bool                     # the engine's step takes chapter 15's fast path
     running: int = 0                  # requests running (/metrics' gauges)
     queued: int = 0                   # requests waiting for a slot, or in the inbox
+    # >>> ch21: retraction
+    retractions: int = 0              # requests taken back since the start (admission by need)
+    # <<< ch21
