@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from minioverlap import LLM, SamplingParams
+from minioverlap.cli import engine_options, parser
 from minioverlap.config import Guards
 from minioverlap.engine.request import Req
 from minioverlap.scheduler.retraction import (CLIP_MAX_NEW_TOKENS, DECAY_STEPS, NewTokenRatio, RETRACT_DECODE_STEPS,
@@ -231,6 +232,13 @@ def test_the_growth_estimate_counts_the_rest_of_the_fill_and_a_share_of_the_toke
 def test_a_bad_new_token_ratio_is_refused_by_name(value):
     with pytest.raises(ValueError, match=r"new_token_ratio must be a real number in \(0, 1\]"):
         LLM(new_token_ratio=value)
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["serve"], ["trace"]])
+def test_the_flag_reaches_the_engine_options(command):
+    """--new-token-ratio R becomes new_token_ratio=R; left out, admission stays by every page."""
+    assert engine_options(parser().parse_args([*command, "--new-token-ratio", "0.7"]))["new_token_ratio"] == 0.7
+    assert "new_token_ratio" not in engine_options(parser().parse_args(command))
 
 
 def test_a_new_token_ratio_needs_the_prefill_to_write_its_tokens():

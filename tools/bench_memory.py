@@ -75,7 +75,8 @@ def measure(args: argparse.Namespace) -> dict:
         for r in rs[1:]:
             r.pop("tokens")
     same = all(t == tokens[("normal", "worst-case")] for t in tokens.values())
-    results = [{"loop": loop, "pool": name, "tok_s": statistics.median(r["tok_s"] for r in rs),
+    results = [{"loop": loop, "pool": name, "slots": engines[(loop, name)].max_running,
+                "tok_s": statistics.median(r["tok_s"] for r in rs),
                 **{k: rs[0][k] for k in ("steps", "mean_reqs", "max_reqs", "retractions")}, "runs": rs}
                for (loop, name), rs in runs.items()]
     pool_tokens = (args.contexts * -(-max_seq_len // args.page_size)) * args.page_size
@@ -89,8 +90,7 @@ def report(data: dict) -> str:
              f"{c['max_seq_len']}); tokens the same in every run: {data['same_tokens']}",
              f"{'loop':<8} {'pool':<14} {'slots':>5} {'reqs/step':>9} {'most':>5} {'steps':>6} {'retracted':>9} {'tok/s':>8}"]
     for r in data["results"]:
-        slots = c["contexts"] if r["pool"] == "worst-case" else c["slots"]
-        lines.append(f"{r['loop']:<8} {r['pool']:<14} {slots:>5} {r['mean_reqs']:>9.1f} {r['max_reqs']:>5} "
+        lines.append(f"{r['loop']:<8} {r['pool']:<14} {r['slots']:>5} {r['mean_reqs']:>9.1f} {r['max_reqs']:>5} "
                      f"{r['steps']:>6} {r['retractions']:>9} {r['tok_s']:>8.0f}")
     return "\n".join(lines)
 
@@ -110,7 +110,8 @@ def main() -> None:
     data = measure(args)
     print(report(data))
     if args.out:
-        args.out.write_text(json.dumps({**data, "config": {**data["config"], "out": str(args.out)}}, indent=1) + "\n")
+        data["config"].pop("out")
+        args.out.write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

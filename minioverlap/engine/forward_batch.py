@@ -243,7 +243,7 @@ def prompt_tokens(mode: ForwardMode, reqs: list[Req], prefix_lens: list[int], ex
     # >>> ch21 replaces ch08: what it fills: after a retraction its outputs too
     #| return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.prompt_ids[start:start + n]],
     #|                  torch.int32, device)
-    return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) for t in r.fill_ids[start:start + n]],
-                     torch.int32, device)
+    return to_device([t for r, start, n in zip(reqs, prefix_lens, extend_lens) if start < r.fill_len
+                      for t in r.fill_ids[start:start + n]], torch.int32, device)
     # <<< ch21
 # <<< ch08
