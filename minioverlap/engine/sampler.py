@@ -48,7 +48,7 @@ def sample_one(logits: torch.Tensor, req: Req) -> torch.Tensor:
     generator, so that a seeded request's tokens would depend on how its prompt was chunked (and, with
     the prefix cache, on what was cached). vLLM rewinds the generator of such a request instead."""
     # >>> ch18: a chunk's token is never used: no draw (a chunk: a prompt laid out in part)
-    if req.prefilling:
+    if req.seq_len > 0 and req.prefilling:
         return logits.argmax()
     # <<< ch18
     return torch.multinomial(adjusted_probs(logits, req.params), 1, generator=req.generator)[0]
