@@ -19,7 +19,7 @@ from minioverlap.config import Guards
 from minioverlap.engine.request import Req
 from minioverlap.scheduler.retraction import (CLIP_MAX_NEW_TOKENS, DECAY_STEPS, NewTokenRatio, RETRACT_DECODE_STEPS,
                                               growth_pages, retraction_order)
-from conftest import assert_as_fresh, probe_tokens
+from conftest import assert_as_fresh, over_ranks, probe_tokens
 from serving import Server
 
 PROMPTS = [[(7 * i + j) % 50 + 3 for j in range(5 + 2 * i)] for i in range(12)]
@@ -300,3 +300,23 @@ def test_a_server_that_takes_requests_back_streams_each_whole_and_says_how_many(
                for (_, u), p in zip(streams, PROMPTS))
     assert report["retractions"] > 0, report
     assert report["problems"] is None and report["free_pages"] == report["usable_pages"]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("dp", [False, True], ids=["tp2", "dp2"])
+def test_ranks_take_requests_back_and_keep_one_device_s_tokens(dp, overlap):
+    """Two gloo ranks, a quarter of the run's worst case for each rank's pool. Tensor parallelism: both
+    ranks decide the same retractions from the same state, and their steps stay alike. DP attention: each
+    rank takes back its own requests alone, and the agreement on each step's tokens still holds (a rank
+    that takes back all it can still runs its step, or the empty batch). The tokens are one device's."""
+    with over_ranks(tp_size=2, dp_attention=dp, overlap=overlap, page_size=4, max_running=8, new_token_ratio=RATIO,
+                    hazard_check=True, num_pages=worst_case_pages(PROMPTS, GREEDY.max_tokens, 4) // 4 + 1) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        traces = llm.rank_traces()
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == reference(overlap=overlap)
+    taken = [[u for e in trace if e.kind == "retract" for u in e.uids] for trace in traces]
+    assert any(taken), "no rank took a request back: the test proves nothing"
+    if not dp:
+        assert taken[0] == taken[1], "tensor-parallel ranks took back different requests"
