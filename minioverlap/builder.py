@@ -173,13 +173,9 @@ class Engine:
 
     def pool_bytes(self) -> int | None:
         """The bytes the KV pool may take under mem_fraction_static (config.mem_fraction; None: no share, the
-        pool is sized otherwise): the share less what stays in use (kv_pool.static_budget). Every rank takes
-        the smallest of the ranks' budgets: their pools must be alike."""
+        pool is sized otherwise): the share less what stays in use (kv_pool.static_budget)."""
         fraction = mem_fraction(self.args)
-        if fraction is None:
-            return None
-        budget = static_budget(fraction, self.device, self.memory_in_use())
-        return min(b for [b] in self.group.all_gather_ints([budget]))
+        return None if fraction is None else static_budget(fraction, self.device, self.memory_in_use())
 
     def memory_in_use(self) -> int:
         """What stays in use beside the pool. On a CPU the weights. On a GPU what the device holds once the

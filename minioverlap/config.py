@@ -299,9 +299,10 @@ def check_pool_size(args: EngineArgs) -> None:
              if getattr(args, name) is not None]
     if len(given) > 1:
         raise ValueError(f"{given[0]} and {given[1]}: each sizes the KV pool: pass one of them")
-    if args.mem_fraction_static is not None and args.tp_size > 1 and str(args.device).startswith("cuda"):
-        raise ValueError(f"mem_fraction_static={args.mem_fraction_static} with tp_size={args.tp_size} on a GPU: the "
-                         "activation peak is measured on one rank only for now: pass max_total_tokens or num_pages")
+    if args.mem_fraction_static is not None and args.tp_size > 1:
+        raise ValueError(f"mem_fraction_static={args.mem_fraction_static} with tp_size={args.tp_size}: each rank would "
+                         "size its pool from the memory it sees, and the ranks' pools must be alike: pass "
+                         "max_total_tokens or num_pages")
 
 
 def mem_fraction(args: EngineArgs) -> float | None:

@@ -64,6 +64,8 @@ FIELD = r"mem_fraction_static must be a real number in \(0, 1\), got "
     (dict(max_total_tokens=1024, mem_fraction_static=0.5), r"max_total_tokens=1024 and mem_fraction_static=0.5: .* pass one"),
     (dict(max_total_tokens=100), r"max_total_tokens=100 gives a KV pool of 112 tokens, less than one context of "
                                  r"max_seq_len=1024 tokens \(65 pages of 16, page 0 included\): pass a larger max_total_tokens"),
+    (dict(mem_fraction_static=0.5, tp_size=2), r"mem_fraction_static=0.5 with tp_size=2: .* the ranks' pools must be "
+                                                r"alike: pass max_total_tokens or num_pages"),
     (dict(mem_fraction_static=1e-9), r"mem_fraction_static, whose share less what is in use leaves -.* GiB for the KV "
                                      r"pool, gives a KV pool of 0 tokens, less than one context of max_seq_len=1024"),
 ])
