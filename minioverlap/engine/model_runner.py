@@ -77,7 +77,8 @@ class ModelRunner(SlotsMixin):
                  ) -> None:
         """The runner owns the model and everything a step touches on the device: the KV pool, the page
         allocator and the request tables (chapter 02), sized here (num_pages=None: enough pages for every
-        request slot to hold max_seq_len tokens), and the two streams (06). From chapter 08 it also holds
+        request slot to hold max_seq_len tokens; from chapter 21, if given, what max_total_tokens or the
+        memory left allows: size_pool), and the two streams (06). From chapter 08 it also holds
         the guards and the hazard checker, which it gives to everything that records accesses. A request's
         slot and pages are the cache manager's (`self.cache`). Nothing above the runner touches a device
         table."""
