@@ -49,7 +49,7 @@ from minioverlap.parallel.mtp import load_tp_mtp
 # <<< ch20
 # >>> ch21: the pool sized from memory; admission by need, and retraction
 from minioverlap.scheduler.retraction import Retraction
-from minioverlap.cache.kv_pool import gib, static_budget
+from minioverlap.cache.kv_pool import default_pages, gib, static_budget
 from minioverlap.config import mem_fraction
 from minioverlap.engine.forward_batch import ForwardMode
 # <<< ch21
@@ -191,7 +191,8 @@ class Engine:
 
     def pool_summary(self) -> str:
         """One line: the tokens the pool holds, and how many whole max_seq_len contexts."""
-        runner, context = self.runner, -(-self.max_seq_len // self.args.page_size)
+        runner = self.runner
+        context = runner.allocator.pages_for(self.max_seq_len)
         return (f"KV pool: {runner.pool_tokens} tokens ({runner.usable_pages} pages of {self.args.page_size}, "
                 f"{gib(runner.pool_tokens * runner.token_bytes())}): {runner.usable_pages // context} whole "
                 f"contexts of max_seq_len={self.max_seq_len}")
@@ -233,7 +234,7 @@ def activation_peak(model: Qwen3ForCausalLM, tokens: int, max_seq_len: int, page
     prompt tokens, each request's the last of a max_seq_len context (the widest attention), run once over
     a pool just large enough for them, which is then dropped."""
     lens = [max_seq_len] * (tokens // max_seq_len) + [tokens % max_seq_len] * (tokens % max_seq_len > 0)
-    runner = ModelRunner(model, num_pages=len(lens) * -(-max_seq_len // page_size) + 1, page_size=page_size,
+    runner = ModelRunner(model, num_pages=default_pages(len(lens), max_seq_len, page_size), page_size=page_size,
                          max_running=len(lens), max_seq_len=max_seq_len, attention=attention)
     reqs = [Req(i, [0] * max_seq_len, SamplingParams(max_tokens=1), 1) for i in range(len(lens))]
     for req, n in zip(reqs, lens):

@@ -64,7 +64,7 @@ def total_memory(device: str) -> int:
 def check_holds_a_context(num_pages: int, page_size: int, max_seq_len: int, sized_by: str, option: str) -> None:
     """A pool sized by max_total_tokens or the memory must hold one request of max_seq_len tokens, or a
     request of that size would be refused as too large for the pool (check_fits_pool)."""
-    need = -(-max_seq_len // page_size) + 1
+    need = default_pages(1, max_seq_len, page_size)
     if num_pages < need:
         raise ValueError(f"{sized_by} gives a KV pool of {max(num_pages - 1, 0) * page_size} tokens, less than one "
                          f"context of max_seq_len={max_seq_len} tokens ({need} pages of {page_size}, page 0 "
