@@ -89,8 +89,7 @@ class ModelRunner(SlotsMixin):
             num_pages = self.size_pool(max_total_tokens, pool_bytes, page_size, max_running, max_seq_len)
         # <<< ch21
         num_pages = default_pages(max_running, max_seq_len, page_size) if num_pages is None else num_pages
-        check_memory(num_pages, page_size, self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize,
-                     max_running, max_seq_len, str(weight.device))
+        check_memory(num_pages, page_size, self.token_bytes(), max_running, max_seq_len, str(weight.device))
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv_pool = KVPool(c.num_hidden_layers, num_pages * page_size, c.num_key_value_heads, c.head_dim,
                               weight.dtype, weight.device)
@@ -128,11 +127,6 @@ class ModelRunner(SlotsMixin):
                                   f"use leaves {gib(pool_bytes)} for the KV pool,", "mem_fraction_static")
         return pages
 
-    def token_bytes(self) -> int:
-        """The bytes one token's K and V take in the pool, every layer's."""
-        c, weight = self.model.config, self.model.model.embed_tokens.weight
-        return self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize
-
     @property
     def pool_tokens(self) -> int:
         """The tokens the pool holds (page 0 is never handed out)."""
@@ -142,6 +136,11 @@ class ModelRunner(SlotsMixin):
     def kv_layers(self) -> int:
         """The layers of K and V a token keeps in the cache: the model's (from chapter 09 a drafter adds its own)."""
         return self.model.config.num_hidden_layers
+
+    def token_bytes(self) -> int:
+        """The bytes one token's K and V take in the pool, every layer's."""
+        c, weight = self.model.config, self.model.model.embed_tokens.weight
+        return self.kv_layers() * 2 * c.num_key_value_heads * c.head_dim * weight.dtype.itemsize
 
     def batch(self, mode: ForwardMode, reqs: list[Req]) -> ForwardBatch:
         """Lay out the step's batch: each request's new KV slots allocated and written to req_to_token."""
