@@ -710,6 +710,20 @@ def test_a_figure_is_its_expression_over_the_recorded_run(book_copy: Path) -> No
     assert "8.4 is not results[s, 1, overlap].ms_step = 8.47" in run_steps(book_copy, "snippets").stdout
 
 
+def test_min_max_sum_and_mean_take_a_recorded_list_of_numbers() -> None:
+    """A run may record a list (each chunk step's ms): min, max, sum and mean read it; alone, or as a list
+    of anything but numbers, it is no figure."""
+    from book.figures import figure_value
+    from book.markers import MarkerError
+    data = {"chunk_ms": [48.0, 56.5, 99.9], "names": ["a", "b"]}
+    assert figure_value(data, "max(chunk_ms) / min(chunk_ms)", "x") == pytest.approx(99.9 / 48.0)
+    assert figure_value(data, "mean(chunk_ms)", "x") == pytest.approx((48.0 + 56.5 + 99.9) / 3)
+    with pytest.raises(MarkerError, match="3 items selected where one number is meant"):
+        figure_value(data, "chunk_ms", "x")
+    with pytest.raises(MarkerError, match="not a number"):
+        figure_value(data, "max(names)", "x")
+
+
 def test_a_table_of_figures_is_checked_row_by_row(book_copy: Path) -> None:
     """`rows:` before a table: each body row's numbers are its expressions, `$1` the row's first cell."""
     with_run(book_copy)

@@ -78,7 +78,8 @@ def select(data, path: str, name: str):
 
 def figure_value(data, expr: str, name: str) -> float:
     """Evaluate a figure's expression over JSON data: paths into the data, numbers, + - * / and
-    min, max, sum, mean, abs. The paths are the names not followed by `(`."""
+    min, max, sum, mean, abs (which also take a recorded list of numbers). The paths are the names not
+    followed by `(`."""
     values: dict[str, object] = {}
 
     def place(m: re.Match) -> str:
@@ -97,6 +98,8 @@ def figure_value(data, expr: str, name: str) -> float:
             value = values[node.id]
             if isinstance(value, Many):
                 return value
+            if isinstance(value, list) and all(type(v) in (int, float) for v in value):
+                return Many(value)          # a recorded list of numbers, for min, max, sum and mean
             if type(value) not in (int, float):
                 raise MarkerError(f"{name}: {expr} reads {value!r}, not a number")
             return value
