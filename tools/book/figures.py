@@ -78,8 +78,8 @@ def select(data, path: str, name: str):
 
 def figure_value(data, expr: str, name: str) -> float:
     """Evaluate a figure's expression over JSON data: paths into the data, numbers, + - * / and
-    min, max, sum, mean, abs (which also take a recorded list of numbers). The paths are the names not
-    followed by `(`."""
+    min, max, sum and mean (of several items, or of a recorded list of numbers) and abs. The paths are
+    the names not followed by `(`."""
     values: dict[str, object] = {}
 
     def place(m: re.Match) -> str:
