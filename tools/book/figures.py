@@ -96,10 +96,8 @@ def figure_value(data, expr: str, name: str) -> float:
             return node.value
         if isinstance(node, ast.Name) and node.id in values:
             value = values[node.id]
-            if isinstance(value, Many):
-                return value
-            if isinstance(value, list) and all(type(v) in (int, float) for v in value):
-                return Many(value)          # a recorded list of numbers, for min, max, sum and mean
+            if isinstance(value, list):     # several items selected, or a recorded list: number() checks each
+                return Many(value)
             if type(value) not in (int, float):
                 raise MarkerError(f"{name}: {expr} reads {value!r}, not a number")
             return value
