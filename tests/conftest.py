@@ -154,6 +154,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def sampled(cases, kept) -> list:
+    """A parametrized sweep of end-to-end runs: the cases in `kept` run in every later chapter's stage too,
+    the rest are marked `slow` and run in their own chapter's stage and in the last (tools/README.md). A
+    case of several arguments is a tuple."""
+    return [case if case in kept else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                                   marks=pytest.mark.slow) for case in cases]
+
+
 def window_slack(k: int) -> int:
     """KV positions past a request's last token that its verify windows may need, by hand: the k of its
     last window (chapter 09); from chapter 11, where the host reserves two windows past its count, 2k+1."""

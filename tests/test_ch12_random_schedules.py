@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from conftest import no_hang
+from conftest import no_hang, sampled
 from minioverlap import LLM, SamplingParams
 from minioverlap.device.hazard import HazardError
 from test_ch07_one_step_late import Plan, run_clients
 
 SCHEDULES = 100
-EVERY_STAGE = 20   # the first 20 schedules run in every later chapter's stage too; all 100 here and in the last
+EVERY_STAGE = 10   # the first 10 schedules run in every later chapter's stage too; all 100 here and in the last
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one torch thread for the module
@@ -46,8 +46,7 @@ def schedule(seed: int) -> tuple[dict, list[Plan]]:
     return engine, plans
 
 
-@pytest.mark.parametrize("seed", [seed if seed < EVERY_STAGE else pytest.param(seed, marks=pytest.mark.slow)
-                                  for seed in range(SCHEDULES)])
+@pytest.mark.parametrize("seed", sampled(list(range(SCHEDULES)), range(EVERY_STAGE)))
 def test_random_schedule_overlap_equals_normal_equals_plain(seed, plain):
     """One random schedule in both loops with MTP (the overlap loop with the hazard checker on): the same
     tokens and finish reasons for every client, `finished` once, on the last reply; a greedy client gets

@@ -16,6 +16,8 @@ from minioverlap.cli import engine_options, parser
 from minioverlap.config import EngineArgs, Guards, chunk_size
 from minioverlap.engine.forward_batch import ForwardMode
 
+from conftest import sampled
+
 SYSTEM = list(range(100, 140))                       # a 40-token "system prompt"
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -42,7 +44,7 @@ GRID = [(size, mixed, mtp, cache) for size, mixed, mtp, cache in itertools.produ
                                                                                      (True, False)) if not (mixed and mtp)]
 
 
-@pytest.mark.parametrize("size,mixed,mtp,cache", GRID)
+@pytest.mark.parametrize("size,mixed,mtp,cache", sampled(GRID, [(7, True, 0, True), (16, False, 3, False)]))
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_tokens_equal_whole_prompt_prefill(whole, overlap, size, mixed, mtp, cache):
     """Every prompt's tokens equal whole-prompt prefill's, in a first run and in a second one (which, with

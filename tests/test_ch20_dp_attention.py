@@ -32,11 +32,16 @@ def one_device() -> list[list[int]]:
     return tokens_of(LLM(overlap=False, **OPTIONS))
 
 
+STUCK_S = 15.0    # a collective's deadline here (dist_timeout): a rank that skips a collective fails the run in
+                  # seconds, not after the default minute
+
+
 @pytest.fixture(scope="module", params=["normal", "overlap"])
 def dp2(request):
     """Two DP-attention ranks, the hazard checker on each."""
     overlap = request.param == "overlap"
-    with over_ranks(tp_size=2, dp_attention=True, overlap=overlap, hazard_check=True, **OPTIONS) as llm:
+    with over_ranks(tp_size=2, dp_attention=True, overlap=overlap, hazard_check=True, dist_timeout=STUCK_S,
+                    **OPTIONS) as llm:
         yield llm
 
 
@@ -144,7 +149,7 @@ def test_with_the_n_gram_drafter_an_idle_rank_handles_first_with_the_busy_one():
     steps, with the same agreements."""
     params = SamplingParams(max_tokens=16)
     want = LLM(overlap=False, **OPTIONS, ngram_steps=3).generate(PROMPTS[0], params)[0].token_ids
-    llm = LLM(tp_size=2, dp_attention=True, overlap=True, ngram_steps=3, **OPTIONS)
+    llm = LLM(tp_size=2, dp_attention=True, overlap=True, ngram_steps=3, dist_timeout=STUCK_S, **OPTIONS)
     try:
         with no_hang(RUN_S):
             assert llm.generate(PROMPTS[0], params)[0].token_ids == want

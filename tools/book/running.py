@@ -33,7 +33,7 @@ def stage_env(stage: Path) -> dict[str, str]:
 
 
 MARKS = ("process: runs a program in a process of its own (an example, the command line, the notebook)",
-         "slow: seconds of end-to-end runs on two cores (engines in Triton's interpreter, the bulk of the random schedules)")
+         "slow: seconds of end-to-end runs on two cores (engines in Triton's interpreter, the bulk of a sweep of cases)")
 LEAVE_OUT_EARLIER = '''"""tools/steps.py's own plugin for one stage's run: it leaves out the tests marked `process` or `slow`
 of the chapters before {first}; they ran in their own chapter's stage and run again in the last."""
 import re
