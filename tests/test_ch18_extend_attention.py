@@ -205,7 +205,8 @@ class CountOps(TorchDispatchMode):
 def prefill_counts(monkeypatch, kernels: bool, prompts: list[list[int]]) -> tuple[int, int, int]:
     """One prefill step of these prompts -> (its requests, the aten operators its attention called over
     every layer, the extend kernel's launches)."""
-    steps, launches = [], []
+    llm = LLM(model="tiny", kernels=kernels, overlap=False, page_size=4, chunked_prefill_size=-1)
+    steps, launches = [], []      # counted from here: on a GPU the engine's start runs a step of its own
     forward = ModelRunner.forward
 
     def counted_forward(self, batch, input_ids, ctx):
@@ -230,8 +231,7 @@ def prefill_counts(monkeypatch, kernels: bool, prompts: list[list[int]]) -> tupl
     monkeypatch.setattr(ModelRunner, "forward", counted_forward)
     monkeypatch.setattr(triton_attention, "extend_attention", counted(extend_attention))       # the interpreter's
     monkeypatch.setattr(triton_attention, "flash_extend_attention", counted(flash_extend_attention))   # a GPU's
-    LLM(model="tiny", kernels=kernels, overlap=False, page_size=4, chunked_prefill_size=-1).generate(
-        prompts, SamplingParams(max_tokens=1))
+    llm.generate(prompts, SamplingParams(max_tokens=1))
     assert len(steps) == 1, f"the prompts should be one prefill step, not {len(steps)}"
     return steps[0][0], steps[0][1], len(launches)
 
