@@ -49,7 +49,7 @@ from minioverlap.parallel.mtp import load_tp_mtp
 # <<< ch20
 # >>> ch21: the pool sized from memory; admission by need, and retraction
 from minioverlap.scheduler.retraction import Retraction
-from minioverlap.cache.kv_pool import default_pages, gib, static_budget
+from minioverlap.cache.kv_pool import check_tables, default_pages, gib, static_budget
 from minioverlap.config import mem_fraction
 from minioverlap.engine.forward_batch import ForwardMode
 # <<< ch21
@@ -183,6 +183,7 @@ class Engine:
         largest step, measured; the CUDA graphs, captured once the pool exists, take theirs from the rest."""
         if not self.device.startswith("cuda"):
             return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        check_tables(self.max_running, self.max_seq_len, self.device)    # before a step of max_running requests
         tokens = max(chunk_size(self.args) or self.max_seq_len, self.max_running)
         peak = activation_peak(self.model, tokens, self.max_seq_len, self.args.page_size, self.backend.attention)
         torch.cuda.empty_cache()

@@ -33,6 +33,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def skip_without_a_gpu_a_rank(device: str, args: tuple[str, ...]) -> None:
+    """On a GPU a server of --tp N runs rank r on cuda:r: skip where this machine has fewer than N GPUs,
+    as conftest skips an LLM of tp_size ranks (on a CPU every rank runs on the CPU)."""
+    if device == "cpu" or "--tp" not in args:
+        return
+    import pytest
+    import torch
+
+    ranks, gpus = int(args[args.index("--tp") + 1]), torch.cuda.device_count()
+    if ranks > gpus:
+        pytest.skip(f"--tp {ranks} runs a rank on each of {ranks} GPUs; this machine has {gpus}")
+
+
 class Server:
     def __init__(self, *args: str, startup_s: float = 120.0) -> None:
         self.port = free_port()
@@ -40,6 +53,7 @@ class Server:
         env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         device = os.environ.get("MINIOVERLAP_TEST_DEVICE", "cpu")     # on a GPU in fp32, as the suite's engines
         on_device = ["--device", device] + (["--dtype", "float32"] if device != "cpu" else [])
+        skip_without_a_gpu_a_rank(device, args)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "minioverlap", "serve", "--port", str(self.port), *on_device, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)

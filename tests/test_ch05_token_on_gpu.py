@@ -55,6 +55,8 @@ def test_the_sampler_writes_the_next_input_into_token_pool():
     assert int(pool[req.row, req.seq_len]) == int(out.next_tokens[0, 0]) != -1
     sched.process(out)
     nxt = sched.launch(sched.schedule())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()                              # the test's own look at the device tensors
     assert nxt.input_ids.tolist() == [req.output_ids[-1]] and nxt.batch.positions.tolist() == [req.seq_len - 1]
     assert torch.equal(nxt.input_ids.cpu(), out.next_tokens[:, 0].cpu())
 

@@ -230,3 +230,33 @@ def test_the_checker_is_silent_with_graphs():
         with no_hang(120):
             llm.generate(PROMPTS, SamplingParams(max_tokens=12))
         llm.check_integrity()
+
+
+@GPU
+def test_a_graph_dropped_as_garbage_spoils_no_capture():
+    """A graph that only the garbage collector can free (in a reference cycle, as a dropped engine's graphs
+    are) while another is recorded: an automatic collection during the capture would run its destructor, a
+    CUDA call that a capture forbids, and spoil the capture. capture keeps the collector off while it
+    records, so the graph records and replays; the garbage is freed after."""
+    import gc
+    device = torch.device("cuda")
+    x = torch.zeros(4, device=device)
+    kept = [cuda_graph.capture(device, lambda: x.add_(1))]
+    calls = []
+
+    def forward() -> None:
+        calls.append(1)
+        if len(calls) == 2:                              # recording: the old graph becomes garbage ...
+            cycle = [kept.pop()]
+            cycle.append(cycle)
+            del cycle
+            objects = [[] for _ in range(5 * gc.get_threshold()[0])]   # ... and enough objects for a collection
+            del objects
+        x.mul_(2)
+
+    graph = cuda_graph.capture(device, forward)
+    gc.collect()
+    x.fill_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4 and len(calls) == 2

@@ -54,6 +54,17 @@ def static_budget(fraction: float, device: str, in_use: int) -> int:
     return int(fraction * total_memory(device)) - in_use
 
 
+def check_tables(max_running: int, max_seq_len: int, device: str) -> None:
+    """Refuse request tables larger than the device's memory before the memory in use is measured with a
+    step of max_running requests (Engine.memory_in_use), which would fail first with a MemoryError that
+    names no argument; check_memory refuses them too, but only once the pool is sized."""
+    tables = table_bytes(max_running, max_seq_len)
+    have, where = device_memory(device)
+    if tables > have:
+        raise ValueError(f"max_running={max_running} need {gib(tables)}, more than {where} ({gib(have)}): the request "
+                         f"tables 2 x (max_running + 1) x max_seq_len x 4 bytes = {gib(tables)}")
+
+
 def total_memory(device: str) -> int:
     """All of the device's memory: a GPU's, or this machine's physical memory (device_memory)."""
     if device.startswith("cuda"):
@@ -78,13 +89,18 @@ def check_memory(num_pages: int, page_size: int, slot_bytes: int, max_running: i
     memory, before torch tries to allocate them (and fails with a MemoryError or an OverflowError that
     names no argument)."""
     kv = num_pages * page_size * slot_bytes
-    tables = 2 * (max_running + 1) * max_seq_len * 4   # req_to_token and token_pool, int32
+    tables = table_bytes(max_running, max_seq_len)
     have, where = device_memory(device)
     if kv + tables > have:
         raise ValueError(f"num_pages={num_pages}, page_size={page_size} and max_running={max_running} need "
                          f"{gib(kv + tables)}, more than {where} ({gib(have)}): the KV pool is num_pages x page_size "
                          f"x {slot_bytes} bytes = {gib(kv)}, the request tables 2 x (max_running + 1) x max_seq_len "
                          f"x 4 bytes = {gib(tables)}")
+
+
+def table_bytes(max_running: int, max_seq_len: int) -> int:
+    """The request tables req_to_token and token_pool: int32, max_running + 1 rows of max_seq_len each."""
+    return 2 * (max_running + 1) * max_seq_len * 4
 
 
 def device_memory(device: str) -> tuple[int, str]:

@@ -22,6 +22,7 @@ step is a verify step, captured as three graphs per bucket with the accept rule 
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -42,8 +43,17 @@ def capture(device: torch.device, forward: Callable[[], None], pool=None) -> tor
         forward()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-        forward()
+    # No garbage collection while recording: a collection may free a dropped engine's graphs, and a
+    # graph's destructor is a CUDA call that a capture forbids, which spoils the capture (PyTorch no
+    # longer collects before a capture, so such garbage can still be around).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            forward()
+    finally:
+        if collecting:
+            gc.enable()
     return graph
 
 

@@ -146,6 +146,63 @@ def test_run_pytest_imports_the_stage_package_and_ignores_outside_config(book: P
     assert "4 passed" in result.stdout
 
 
+def test_a_warm_run_is_the_fresh_process_s_run(tmp_path: Path, monkeypatch) -> None:
+    """A run of one process starts from the fork server (tools/book/warm.py) and gives what a fresh
+    `python -m pytest` gives: its status, its summary, the run's environment, working directory and torch
+    threads; and the stage's package is imported fresh, never the server's."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tmp_path / "minibook.py").write_text("WHERE = __file__\n")
+    (tests / "test_env.py").write_text(
+        "import os, pathlib, sys, torch, minibook\n\n"
+        "def test_env():\n"
+        f"    assert pathlib.Path(minibook.WHERE).parent == pathlib.Path({str(tmp_path)!r})\n"
+        f"    assert os.getcwd() == {str(tmp_path)!r} and os.environ['STEPS_PROBE'] == 'here'\n"
+        "    assert torch.get_num_threads() == 1\n\n"
+        "def test_fails():\n    assert 1 == 2, 'it failed'\n")
+    monkeypatch.setenv("STEPS_PROBE", "here")
+    runs = {}
+    for fresh in ("1", "0"):
+        monkeypatch.setenv("STEPS_FRESH_PROCESSES", fresh)
+        runs[fresh] = steps.run_pytest(tmp_path, ["tests"], one_thread=True)
+    for r in runs.values():
+        assert r.returncode == 1 and "1 failed, 1 passed" in r.stdout and "it failed" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_warm_run_s_tests_can_spawn_processes(tmp_path: Path) -> None:
+    """A test that spawns a process (as the ranks of chapter 20 are spawned) runs in a warm child as in a
+    fresh one, whatever script started the check: the spawned process does not import that script again
+    (its imports, here `beside`, are on the script's path, not the run's)."""
+    tests, driver = tmp_path / "stage" / "tests", tmp_path / "driver"
+    tests.mkdir(parents=True)
+    driver.mkdir()
+    (tests / "test_spawn.py").write_text(
+        "import multiprocessing\n\ndef test_spawn():\n"
+        "    child = multiprocessing.get_context('spawn').Process(target=print)\n"
+        "    child.start()\n    child.join(60)\n    assert child.exitcode == 0\n")
+    (driver / "beside.py").write_text("")
+    (driver / "run.py").write_text(
+        f"import sys\nsys.path.insert(1, {str(STEPS.parent)!r})\nimport beside, steps\n\n"
+        f"if __name__ == '__main__':\n"
+        f"    r = steps.run_pytest({str(tmp_path / 'stage')!r}, ['tests'])\n"
+        f"    print(r.returncode, r.stdout[-300:], r.stderr[-300:])\n")
+    r = subprocess.run([sys.executable, str(driver / "run.py")], capture_output=True, text=True, timeout=120)
+    assert r.stdout.startswith("0 ") and "1 passed" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_warm_run_that_dies_or_hangs_is_no_failed_test(tmp_path: Path) -> None:
+    """A child that ends before pytest returns is not pytest's status 1 ("a test failed": a planted bug
+    caught) but 3, pytest's internal error; one that outlives its timeout is 124, as a fresh one's."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_dies.py").write_text("import os\n\ndef test_dies():\n    os._exit(1)\n")
+    (tests / "test_hangs.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(60)\n")
+    dies = steps.run_pytest(tmp_path, ["tests/test_dies.py"])
+    assert dies.returncode == 3 and "before its program returned" in dies.stderr, dies.stderr
+    hangs = steps.run_pytest(tmp_path, ["tests/test_hangs.py"], timeout=8)
+    assert hangs.returncode == 124 and "timed out after 8s" in hangs.stderr
+
+
 def test_a_stage_leaves_out_only_the_earlier_chapters_process_and_slow_tests(tmp_path: Path) -> None:
     """earlier_from=N deselects the tests marked `process` or `slow` of chapters before N, and nothing else:
     the chapter's own marked tests, the earlier chapters' other tests and unnamed modules still run."""

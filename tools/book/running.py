@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import warm as warm_runs
 from .stages import SKIP_DIRS
 
 TEST_TIMEOUT = 300  # seconds per test in a stage, as [tool.pytest.ini_options] timeout in pyproject.toml
@@ -26,6 +27,14 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout:.0f}s\n")
+
+
+def run_python(argv: list[str], cwd: Path, env: dict[str, str], timeout: float | None = None,
+               warm: bool = True) -> subprocess.CompletedProcess:
+    """`python ARGV`: in a child of the warm fork server where it can (tools/book/warm.py), else fresh."""
+    if warm and warm_runs.available():
+        return warm_runs.run_warm(argv, cwd, env, timeout)
+    return _run([sys.executable, *argv], cwd, env, timeout)
 
 
 def stage_env(stage: Path) -> dict[str, str]:
@@ -62,7 +71,8 @@ def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: 
     pytest-xdist worker per core (at most WORKERS), each with one torch thread, a test file per worker
     so that its module-scoped engines are built once; the tiny model's small operations gain more from
     two processes than from two threads in one. `one_thread`: one torch thread (runs side by side).
-    `earlier_from`: leave out the `process` and `slow` tests of earlier chapters."""
+    `earlier_from`: leave out the `process` and `slow` tests of earlier chapters. A run of one process
+    starts warm (tools/book/warm.py) where it can."""
     stage, env = Path(stage).resolve(), stage_env(stage)
     workers = min(WORKERS, os.cpu_count() or 1) if parallel and importlib.util.find_spec("xdist") else 1
     spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
@@ -78,7 +88,7 @@ def run_pytest(stage: Path, targets: list[str], *, quiet: bool = True, timeout: 
             plugin = ["-p", "steps_stage"]
         cmd = [sys.executable, "-m", "pytest", *targets, *plugin, "-p", "no:cacheprovider", "-c", str(ini),
                "--rootdir", str(stage), "--confcutdir", str(stage), *spread, *["-q"] * quiet]
-        return _run(cmd, stage, env, timeout)
+        return run_python(cmd[1:], stage, env, timeout, warm=workers == 1)
 
 
 def package_error(stage: Path, package: str) -> list[str]:

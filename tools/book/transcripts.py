@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .markers import MarkerError
-from .running import stage_env, tail
+from .running import run_python, stage_env, tail
 from .stages import Book
 
 OUTPUT = re.compile(r"^<!-- output(?P<final> final)?(?:: (?P<cmd>\S.*?))? -->\s*$")
@@ -97,11 +97,7 @@ def run_shown(tree: Path, command: str, timeout: float | None = None) -> subproc
     if key not in _runs:
         argv, extra = command_argv(command, Path(tree))
         env = {**stage_env(tree), "COLUMNS": COLUMNS, "CUDA_VISIBLE_DEVICES": "", **extra}
-        try:
-            _runs[key] = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True,
-                                        timeout=timeout, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            _runs[key] = subprocess.CompletedProcess(argv, 124, "", f"timed out after {timeout:.0f}s\n")
+        _runs[key] = run_python(argv[1:], Path(tree), env, timeout)   # stdin closed: a warm child's is
     return _runs[key]
 
 
