@@ -2,10 +2,10 @@
 proofs, the judge's stubs and references, the examples and the chapters' transcripts) start where
 importing torch and transformers is done.
 
-A fresh `python -m pytest` of one small test takes about 5 s on two cores, 4 of them importing torch,
-transformers and pytest before the first test; the check makes some 300 such runs. multiprocessing's fork
-server imports those libraries once, then forks a child per run: the child starts in under a second, as
-a fresh interpreter would but for the libraries already in memory. It never holds the book's package:
+A fresh `python -m pytest` of one small test took 5.7 s on two cores, most of it importing torch,
+transformers and pytest; forked from a process that had imported them, the same run took 1.0 s. The check
+makes some 300 such runs. multiprocessing's fork server imports those libraries once, then forks a child
+per run, which starts as a fresh interpreter would but for the libraries already in memory. It never holds the book's package:
 the server does not import it, so each child imports the stage's own copy, as a fresh process does.
 Linux only (forking after importing torch is not safe everywhere); elsewhere, or with
 STEPS_FRESH_PROCESSES=1, `available()` is False and the caller runs a fresh process.
