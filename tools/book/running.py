@@ -21,9 +21,10 @@ WORKERS = 2  # pytest-xdist workers for a stage's tests (the CI machine has 2 co
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
          timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run a command and capture its output; a timeout comes back as exit status 124."""
+    """Run a command, stdin closed, and capture its output; a timeout comes back as exit status 124."""
     try:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout:.0f}s\n")

@@ -97,7 +97,7 @@ def run_shown(tree: Path, command: str, timeout: float | None = None) -> subproc
     if key not in _runs:
         argv, extra = command_argv(command, Path(tree))
         env = {**stage_env(tree), "COLUMNS": COLUMNS, "CUDA_VISIBLE_DEVICES": "", **extra}
-        _runs[key] = run_python(argv[1:], Path(tree), env, timeout)   # stdin closed: a warm child's is
+        _runs[key] = run_python(argv[1:], Path(tree), env, timeout)   # stdin closed, warm or fresh
     return _runs[key]
 
 

@@ -91,10 +91,12 @@ def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, s
             sys.argv = list(argv)
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
-    except SystemExit as e:  # as the interpreter ends on it: None 0, a number itself, anything else printed, 1
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
+    except SystemExit as e:  # as the interpreter ends on it: None is 0, a number itself, anything else 1, printed
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
