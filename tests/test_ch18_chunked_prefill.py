@@ -280,11 +280,13 @@ def test_the_command_line_passes_the_budget_and_mixing():
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_the_fast_path_runs_chunks_and_mixed_steps_as_the_reference_does(overlap):
     """On the fast path (its kernels in Triton's interpreter without a GPU) a mixed step is one extend
-    kernel a layer over the chunks and the one-token decode rows: the reference path's tokens."""
+    kernel a layer over the chunks and the one-token decode rows: the reference path's tokens. Chunks of
+    16: the long prompts (43 and 45 tokens) take three steps each, mixed with the short ones' decode rows."""
     pytest.importorskip("triton")
-    llm = LLM(page_size=4, overlap=overlap, chunked_prefill_size=7, mixed_chunk=True, kernels=True, hazard_check=True)
-    outs = llm.generate(prompts(), PARAMS)
-    reference = LLM(page_size=4, overlap=False, chunked_prefill_size=-1, prefix_cache=False).generate(prompts(), PARAMS)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm = LLM(page_size=4, overlap=overlap, chunked_prefill_size=16, mixed_chunk=True, kernels=True, hazard_check=True)
+    outs = llm.generate(prompts(), params)
+    reference = LLM(page_size=4, overlap=False, chunked_prefill_size=-1, prefix_cache=False).generate(prompts(), params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
     llm.check_integrity()
 

@@ -349,7 +349,7 @@ def test_the_fast_path_s_prefills_with_cached_prefixes_give_the_reference_tokens
     """Prompts that share a system prompt, sent twice: the second time every prefill is a ragged batch of
     cached prefixes (the kernel's prefix loop) and new tokens of several lengths (its causal part)."""
     prompts = [SYSTEM + [7, 8, 9], SYSTEM[:13] + [3] * 20, SYSTEM + list(range(40, 58)), [5, 6]]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)        # the prefill, then one step that reads it
 
     def rounds(kernels: bool) -> list[list[list[int]]]:
         llm = LLM(model="tiny", kernels=kernels, overlap=overlap, page_size=4)
