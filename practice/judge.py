@@ -87,7 +87,18 @@ def parser() -> argparse.ArgumentParser:
                                 help="the author's check: stubs fail, references pass")
     check.add_argument("ids", nargs="*", metavar="ID", help="only these exercises' stubs and references")
     check.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="pytest runs at once")
+    check.add_argument("--stage-tests-passed", type=chapter_list, default=set(), metavar="N,N,...",
+                       help="chapters whose stage tests passed just now (tools/steps.py check): the references' "
+                            "targets in those chapters' own test files are not run again")
     return main
+
+
+def chapter_list(text: str) -> set[int]:
+    """`3,15,21` -> {3, 15, 21}."""
+    try:
+        return {int(n) for n in text.split(",") if n}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"chapter numbers separated by commas, not {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_test(root, args.id, args.whole_stage, args.verbose)
         if args.command == "hint":
             return cmd_hint(root, args.id, args.show_all, args.solution)
-        return cmd_check(root, args.jobs, args.ids)
+        return cmd_check(root, args.jobs, args.ids, args.stage_tests_passed)
     except (JudgeError, steps.MarkerError, OSError) as error:
         Console(stderr=True, soft_wrap=True, highlight=False).print(f"[red]error:[/] {escape(str(error))}")
         return 2

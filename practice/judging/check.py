@@ -3,6 +3,7 @@ reference passes them (nbgrader's check, both ways)."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +30,12 @@ class Verdict:
     problems: list[str]
 
 
-def cmd_check(root: Path, jobs: int, only: list[str] | None = None) -> int:
+def cmd_check(root: Path, jobs: int, only: list[str] | None = None, passed: set[int] = frozenset()) -> int:
     """Structure first (registry against markers), then nbgrader's check both ways: every stub
     fails every test of its exercise, every reference passes them all. `only`: the exercises whose
-    stubs and references run; the structure is checked for all."""
+    stubs and references run; the structure is checked for all. `passed`: chapters whose stage just
+    ran every test of its own test files and passed (the step checker's run of the same tree): a
+    reference's targets in those files are not run again (`own_tests`)."""
     exercises = load_exercises(root)
     if unknown := sorted(set(only or ()) - {ex.id for ex in exercises}):
         raise JudgeError(f"no exercise {', '.join(unknown)}; the exercises: {', '.join(ex.id for ex in exercises)}")
@@ -42,10 +45,10 @@ def cmd_check(root: Path, jobs: int, only: list[str] | None = None) -> int:
         verdicts = {ex_id: v for ex_id, v in verdicts.items() if ex_id in only or v.problems}
     with tempfile.TemporaryDirectory(prefix="judge-check-") as tmp:
         todo = [v for v in verdicts.values() if not v.problems]
-        references = build_references(root, todo, Path(tmp))
+        book = steps.load_book(root) if todo else None   # the markers parse: no verdict says otherwise
+        references = build_references(book, todo, Path(tmp))
         check_test_files(todo, references)
         todo = [v for v in todo if not v.problems]
-        book = steps.load_book(root) if todo else None   # the markers parse: no verdict says otherwise
         stubs = build_stubs(root, book, todo, Path(tmp))
         chapters = sorted({v.ex.chapter for v in todo})
         alone = {v.ex.id: lay_workspace(root, v.ex, Path(tmp) / f"answer-{v.ex.id}", answer=True, book=book)
@@ -56,7 +59,8 @@ def cmd_check(root: Path, jobs: int, only: list[str] | None = None) -> int:
             stub_runs = {ex_id: pool.submit(prove_stub, verdicts[ex_id].ex, stub)
                          for ex_id, stub in stubs.items()}
             ref_runs = [pool.submit(prove_references, [v.ex for v in todo if v.ex.chapter == chapter
-                                                       and v.ex.id not in alone], references[chapter])
+                                                       and v.ex.id not in alone], references[chapter],
+                                    own_tests(chapter) if chapter in passed else ())
                         for chapter in chapters]
             ref_runs += [pool.submit(prove_references, [verdicts[ex_id].ex], stage)
                          for ex_id, stage in alone.items()]
@@ -108,12 +112,12 @@ def reference_code(root: Path) -> dict[str, list[str]]:
             for source in book.sources.values() for b in steps.blocks(source.nodes) if b.exercise}
 
 
-def build_references(root: Path, verdicts: list[Verdict], tmp: Path) -> dict[int, Path]:
-    """Each chapter's reference stage, built once for all its exercises."""
+def build_references(book: Book | None, verdicts: list[Verdict], tmp: Path) -> dict[int, Path]:
+    """Each chapter's reference stage, built once for all its exercises, from the source parsed once."""
     stages: dict[int, Path] = {}
     for chapter in sorted({v.ex.chapter for v in verdicts}):
         try:
-            stages[chapter] = steps.build_stage(root, chapter, tmp / f"ch{chapter:02d}")
+            stages[chapter] = steps._build(book, chapter, tmp / f"ch{chapter:02d}")
         except steps.MarkerError as error:
             for verdict in verdicts:
                 if verdict.ex.chapter == chapter:
@@ -165,14 +169,24 @@ def prove_stub(ex: Exercise, stub: Path) -> list[str]:
     return problems
 
 
-def prove_references(exercises: list[Exercise], reference: Path) -> dict[str, list[str]]:
-    """All tests pass on the reference: one run for the chapter, one per exercise only if it fails."""
-    tests = list(dict.fromkeys(test for ex in exercises for test in ex.tests))
+def own_tests(chapter: int) -> str:
+    """The pattern of a chapter's own test files in tests/: test_ch17_*.py for chapter 17."""
+    return f"tests/test_ch{chapter:02d}_*.py"
+
+
+def prove_references(exercises: list[Exercise], reference: Path, ran: str = "") -> dict[str, list[str]]:
+    """All tests pass on the reference: one run for the chapter, one per exercise only if it fails.
+    `ran`: a pattern of test files that passed on this very tree just now; their targets are left out."""
+    def left(tests: list[str]) -> list[str]:
+        return [t for t in tests if not (ran and fnmatch.fnmatchcase(t.split("::")[0], ran))]
+    tests = left(list(dict.fromkeys(test for ex in exercises for test in ex.tests)))
     if not tests or run_tests(reference, tests)[0] == 0:
         return {}
     problems: dict[str, list[str]] = {}
     for ex in exercises:
-        code, output = run_tests(reference, ex.tests)
+        if not left(ex.tests):
+            continue
+        code, output = run_tests(reference, left(ex.tests))
         if code != 0:
             failed = [f"{f.node} ({f.message})" if f.message else f.node for f in parse_failures(output)]
             what = "; ".join(failed) or f"pytest exited {code}: {_last_line(output)}"

@@ -28,10 +28,13 @@ class Report:
 
     def __init__(self) -> None:
         self.passed = self.failed = 0
+        self.ok: set[str] = set()           # the names of the checks that passed
         self.start = self.last = time.monotonic()
 
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.passed, self.failed = self.passed + ok, self.failed + (not ok)
+        if ok:
+            self.ok.add(name)
         now, summary = time.monotonic(), detail.partition("\n")[0] if ok else ""
         seconds, self.last = now - self.last, now
         say(f"{name:<32} {'pass' if ok else 'FAIL'} {seconds:7.1f} s  {summary}".rstrip(),
