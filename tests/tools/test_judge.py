@@ -413,6 +413,24 @@ def test_check_fails_when_the_reference_fails_a_listed_test(book_copy, capsys):
     assert "assert 'A!' == 'A!!'" in out
 
 
+def test_check_leaves_out_only_the_targets_its_chapter_s_stage_passed(book_copy, capsys):
+    """`--stage-tests-passed 2` (the step checker's stage 02 passed its tests just now, on the reference's
+    very tree): the reference's targets in tests/test_ch02_*.py are not run again, so even one that would
+    fail is not seen here; told of other chapters, the judge runs them and finds it."""
+    (book_copy / "tests/test_ch02_strict.py").write_text(
+        "from minibook import shout\n\n\ndef test_shout_adds_two_bangs():\n"
+        "    assert shout('a') == 'A!!'\n")
+    edit(book_copy / "practice/exercises.toml", f'"{TEST_NODE}"',
+         f'"{TEST_NODE}", "tests/test_ch02_strict.py::test_shout_adds_two_bangs"')
+    code, out, _ = run(capsys, book_copy, "check", "--stage-tests-passed", "2")
+    assert (code, out.splitlines()[-1]) == (0, "1 passed, 0 failed"), out
+    code, out, _ = run(capsys, book_copy, "check", "--stage-tests-passed", "1,3")
+    assert code == 1 and "the reference fails: tests/test_ch02_strict.py::test_shout_adds_two_bangs" in out
+    with pytest.raises(SystemExit):
+        judge.main(["--root", str(book_copy), "check", "--stage-tests-passed", "two"])
+    assert "chapter numbers separated by commas, not 'two'" in capsys.readouterr().err
+
+
 def test_check_fails_when_a_listed_test_file_is_not_in_the_stage(book_copy, capsys):
     """A test file of a later chapter (or none) is missing in the exercise's stage."""
     edit(book_copy / "practice/exercises.toml", TEST_NODE,
