@@ -58,6 +58,11 @@ def cmd_check(root: Path, chapters: str | None, proofs: bool, timeout: float) ->
     return report.close()
 
 
+# A stage's whole run may take this many times a run's timeout: the last stage runs every test, 24 minutes on
+# a slow day of two cores (20 minutes, the limit before, cut it short there); a hang is the per-test timeout's.
+STAGE_RUNS = 12
+
+
 def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, timeout: float,
                 previous: Path | None = None) -> Path:
     """Build stage n, then check its imports, its cumulative tests, its example, its revert proofs.
@@ -71,7 +76,7 @@ def check_stage(book: Book, n: int, tmp: Path, report: Report, proofs: bool, tim
     report.add(f"stage {n:02d} build", not problems, "\n".join(problems))
     targets = new_tests(stage, previous)
     last = n == max(book.registry.numbers)
-    r = run_pytest(stage, ["tests"] if targets is None else targets, timeout=timeout * 4, parallel=True,
+    r = run_pytest(stage, ["tests"] if targets is None else targets, timeout=timeout * STAGE_RUNS, parallel=True,
                    earlier_from=0 if last else n)
     detail = "" if targets is None else f" (the code of stage {n - 1:02d}: only {', '.join(targets)})"
     report.add(f"stage {n:02d} tests", r.returncode == 0, (tail(r, 1, stderr=False) if r.returncode == 0 else tail(r)) + detail)
