@@ -184,9 +184,9 @@ def prove_references(exercises: list[Exercise], reference: Path, ran: str = "") 
         return {}
     problems: dict[str, list[str]] = {}
     for ex in exercises:
-        if not left(ex.tests):
+        if not (targets := left(ex.tests)):
             continue
-        code, output = run_tests(reference, left(ex.tests))
+        code, output = run_tests(reference, targets)
         if code != 0:
             failed = [f"{f.node} ({f.message})" if f.message else f.node for f in parse_failures(output)]
             what = "; ".join(failed) or f"pytest exited {code}: {_last_line(output)}"
